@@ -1,0 +1,1103 @@
+"""Qwen3.5 hybrid language model (Gated DeltaNet + gated attention) and exact speculative decoding, in NumPy.
+
+This file is the executable spec. It reads top to bottom: config, weights, primitives, the gated delta rule
+(one step, the per-token loop, the chunked form), the layers, the model, sampling, speculative decoding
+(verify, rollback, acceptance, drafters) and a command line. Everything is fp32 and batch-free.
+
+Axis legend (shape comments use these letters):
+    T   tokens in this call              S   cached + new tokens (attention keys)
+    D   hidden size                      V   vocabulary
+    Hq  attention query heads            Hkv attention key/value heads      Dh  attention head dim
+    Hk  DeltaNet key heads               Hv  DeltaNet value heads            Dk, Dv DeltaNet head dims
+    C   DeltaNet conv channels (2*Hk*Dk + Hv*Dv)                             W   conv width
+    E   experts                          F   FFN width                       K   draft length
+
+Model math: ../shared/notes/qwen35-architecture.md. Gated DeltaNet: Yang et al. 2024 (arXiv 2412.06464).
+Speculative sampling: Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318).
+"""
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
+import safetensors
+from tokenizers import Tokenizer
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "weights" / "default"
+
+
+class UserError(Exception):
+    """Bad input (model files, config, flags, prompt): the command line prints it as one line and exits 2."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config: field names are the Hugging Face config.json keys.
+
+@dataclass(frozen=True)
+class Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple                   # "linear_attention" (Gated DeltaNet) or "full_attention", one per layer
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float         # RoPE rotates the first int(head_dim * factor) dims of each head
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    intermediate_size: int = 0           # dense SwiGLU width (qwen3_5)
+    num_experts: int = 0                 # MoE (qwen3_5_moe): every layer's FFN is a routed MoE + shared expert
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    eos_token_id: tuple = ()
+    mtp_num_hidden_layers: int = 0       # not read by transformers; vLLM's MTP drafter uses it
+
+    def __post_init__(self):
+        def check(ok, field, value, why):
+            if not ok:
+                raise UserError(f"config: {field}={value!r} {why}")
+        check(len(self.layer_types) == self.num_hidden_layers, "layer_types", len(self.layer_types),
+              f"entries, expected num_hidden_layers={self.num_hidden_layers}")
+        for kind in self.layer_types:
+            check(kind in ("linear_attention", "full_attention"), "layer_types", kind, "is not a known layer type")
+        check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+              self.num_key_value_heads, f"does not divide num_attention_heads={self.num_attention_heads}")
+        check(self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear_num_key_heads",
+              self.linear_num_key_heads, f"does not divide linear_num_value_heads={self.linear_num_value_heads}")
+        check(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, "partial_rotary_factor",
+              self.partial_rotary_factor, f"gives rotary dim {self.rotary_dim}, not even and in (0, {self.head_dim}]")
+        check(self.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim", self.linear_conv_kernel_dim, "must be >= 2")
+        if self.is_moe:
+            check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,
+                  f"must be in [1, num_experts={self.num_experts}]")
+        else:
+            check(self.intermediate_size > 0, "intermediate_size", self.intermediate_size, "must be > 0")
+        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "linear_key_head_dim",
+                      "linear_value_head_dim", "max_position_embeddings"):
+            check(getattr(self, field) > 0, field, getattr(self, field), "must be > 0")
+
+    @property
+    def is_moe(self):
+        return self.model_type.startswith("qwen3_5_moe")
+
+    @property
+    def rotary_dim(self):
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self):
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
+
+    @property
+    def value_dim(self):
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+
+MODEL_TYPES = {"qwen3_5_text": None, "qwen3_5": "text_config", "qwen3_5_moe_text": None, "qwen3_5_moe": "text_config"}
+
+
+def layer_types_from_interval(num_layers, interval):
+    """Every `interval`-th layer is full attention: interval 4 gives linear, linear, linear, full, ..."""
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
+
+
+def config_from_dict(raw, generation_config=None):
+    """config.json (flat text config, or multimodal with `text_config`) -> Config."""
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise UserError(f"config: model_type={model_type!r} is not one of {sorted(MODEL_TYPES)}")
+    text = raw[MODEL_TYPES[model_type]] if MODEL_TYPES[model_type] else raw
+    if not isinstance(text, dict):
+        raise UserError(f"config: text_config={text!r} is not an object")
+    text_type = "qwen3_5_moe_text" if model_type.startswith("qwen3_5_moe") else "qwen3_5_text"
+
+    def get(key, default=KeyError):
+        if key in text:
+            return text[key]
+        if default is KeyError:
+            raise UserError(f"config: required field {key!r} is missing")
+        return default
+
+    if get("hidden_act", "silu") != "silu":
+        raise UserError(f"config: hidden_act={get('hidden_act')!r} is not supported (only 'silu')")
+    if get("attention_bias", False):
+        raise UserError("config: attention_bias=true is not supported (no released Qwen3.5 model has it)")
+    # RoPE: `rope_parameters` (transformers v5) or the legacy top-level rope_theta / rope_scaling fields.
+    rope = dict(text.get("rope_scaling") or {})
+    rope.update({k: text[k] for k in ("rope_theta", "partial_rotary_factor") if k in text})
+    rope.update(text.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise UserError(f"config: rope_type={rope_type!r} is not supported (only 'default')")
+    # Text-only input puts the same position in all three mRoPE sections, which is exactly 1-D RoPE.
+    num_layers = get("num_hidden_layers")
+    layer_types = text.get("layer_types") or layer_types_from_interval(num_layers, text.get("full_attention_interval", 4))
+    eos = set()
+    for source in (text, raw, generation_config or {}):
+        value = source.get("eos_token_id")
+        eos.update(value if isinstance(value, list) else [] if value is None else [value])
+    fields = dict(
+        model_type=text_type, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+        num_hidden_layers=num_layers, layer_types=tuple(layer_types),
+        num_attention_heads=get("num_attention_heads"), num_key_value_heads=get("num_key_value_heads"),
+        head_dim=get("head_dim"), linear_num_key_heads=get("linear_num_key_heads"),
+        linear_num_value_heads=get("linear_num_value_heads"), linear_key_head_dim=get("linear_key_head_dim"),
+        linear_value_head_dim=get("linear_value_head_dim"), linear_conv_kernel_dim=get("linear_conv_kernel_dim"),
+        rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", 10000.0),
+        partial_rotary_factor=rope.get("partial_rotary_factor", 0.25),  # transformers' default for Qwen3.5
+        max_position_embeddings=get("max_position_embeddings"),
+        tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+        eos_token_id=tuple(sorted(eos)), mtp_num_hidden_layers=get("mtp_num_hidden_layers", 0))
+    if text_type == "qwen3_5_moe_text":
+        fields.update(num_experts=get("num_experts"), num_experts_per_tok=get("num_experts_per_tok"),
+                      moe_intermediate_size=get("moe_intermediate_size"),
+                      shared_expert_intermediate_size=get("shared_expert_intermediate_size"))
+    else:
+        fields.update(intermediate_size=get("intermediate_size"))
+    for name, value in fields.items():
+        if name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        elif name in ("model_type", "layer_types", "eos_token_id", "tie_word_embeddings"):
+            ok = True
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok:
+            raise UserError(f"config: {name}={value!r} has the wrong type or value")
+    return Config(**fields)
+
+
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read JSON ({e})") from None
+
+
+def load_config(model_dir):
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise UserError(f"model directory {model_dir} does not exist")
+    generation = model_dir / "generation_config.json"
+    return config_from_dict(read_json(model_dir / "config.json"), read_json(generation) if generation.exists() else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weights: safetensors as the published checkpoints store them, strictly checked, upcast to fp32.
+
+def decoder_layer_shapes(prefix, kind, cfg):
+    """Tensor name -> shape for one decoder layer, as Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM name them."""
+    D, Dh, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,)}
+    if kind == "linear_attention":
+        C, Hv, W = cfg.conv_dim, cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim
+        shapes.update({
+            "linear_attn.in_proj_qkv.weight": (C, D), "linear_attn.in_proj_z.weight": (cfg.value_dim, D),
+            "linear_attn.in_proj_b.weight": (Hv, D), "linear_attn.in_proj_a.weight": (Hv, D),
+            "linear_attn.conv1d.weight": (C, 1, W), "linear_attn.dt_bias": (Hv,), "linear_attn.A_log": (Hv,),
+            "linear_attn.norm.weight": (cfg.linear_value_head_dim,), "linear_attn.out_proj.weight": (D, cfg.value_dim)})
+    else:
+        shapes.update({
+            "self_attn.q_proj.weight": (2 * Hq * Dh, D), "self_attn.k_proj.weight": (Hkv * Dh, D),
+            "self_attn.v_proj.weight": (Hkv * Dh, D), "self_attn.o_proj.weight": (D, Hq * Dh),
+            "self_attn.q_norm.weight": (Dh,), "self_attn.k_norm.weight": (Dh,)})
+    if cfg.is_moe:
+        E, F, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        shapes.update({
+            "mlp.gate.weight": (E, D), "mlp.experts.gate_up_proj": (E, 2 * F, D), "mlp.experts.down_proj": (E, D, F),
+            "mlp.shared_expert.gate_proj.weight": (Fs, D), "mlp.shared_expert.up_proj.weight": (Fs, D),
+            "mlp.shared_expert.down_proj.weight": (D, Fs), "mlp.shared_expert_gate.weight": (1, D)})
+    else:
+        F = cfg.intermediate_size
+        shapes.update({"mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)})
+    return {prefix + name: shape for name, shape in shapes.items()}
+
+
+def checkpoint_shapes(cfg, with_mtp):
+    """Every tensor a text checkpoint must hold (canonical `model.` prefix), with its shape."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i, kind in enumerate(cfg.layer_types):
+        shapes.update(decoder_layer_shapes(f"model.layers.{i}.", kind, cfg))
+    if with_mtp:  # MTP: fc over [norm(embedding); norm(hidden)], full-attention decoder layer(s), final norm
+        shapes.update({"mtp.fc.weight": (D, 2 * D), "mtp.pre_fc_norm_embedding.weight": (D,),
+                       "mtp.pre_fc_norm_hidden.weight": (D,), "mtp.norm.weight": (D,)})
+        for j in range(max(cfg.mtp_num_hidden_layers, 1)):
+            shapes.update(decoder_layer_shapes(f"mtp.layers.{j}.", "full_attention", cfg))
+    return shapes
+
+
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+
+
+def read_safetensors(path):
+    """One .safetensors file -> {name: fp32 array}. bf16 is the top half of an fp32, so it upcasts exactly."""
+    try:
+        entries = safetensors.deserialize(Path(path).read_bytes())
+    except (OSError, safetensors.SafetensorError) as e:
+        raise UserError(f"{path}: cannot read safetensors ({e})") from None
+    tensors = {}
+    for name, entry in entries:
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise UserError(f"{path}: tensor {name} has dtype {entry['dtype']}, supported: {sorted(SAFETENSORS_DTYPES)}")
+        raw = np.frombuffer(entry["data"], dtype=SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        if entry["dtype"] == "BF16":
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        tensors[name] = raw.astype(np.float32)
+    return tensors
+
+
+def read_checkpoint_files(model_dir):
+    """model.safetensors, or the shards listed in model.safetensors.index.json -> {name: fp32 array}."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index}: no 'weight_map' object")
+        tensors = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_tensors = read_safetensors(model_dir / shard)
+            for name in shard_tensors:
+                if weight_map.get(name) != shard:
+                    raise UserError(f"{model_dir / shard}: tensor {name} is not listed for this shard in {index.name}")
+            tensors.update(shard_tensors)
+        listed_but_absent = sorted(set(weight_map) - set(tensors))
+        if listed_but_absent:
+            raise UserError(f"{index}: tensor {listed_but_absent[0]} is listed but not in {weight_map[listed_but_absent[0]]}")
+        return tensors
+    if (model_dir / "model.safetensors").exists():
+        return read_safetensors(model_dir / "model.safetensors")
+    raise UserError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def canonical_names(tensors):
+    """Map the published layouts onto one: `model.language_model.` -> `model.`, drop the vision tower, and fuse
+    per-expert MoE tensors into experts.gate_up_proj (E, 2F, D) (gate rows first) and experts.down_proj (E, D, F)."""
+    out, experts = {}, {}
+    for name, array in tensors.items():
+        if name.startswith(("model.visual.", "visual.")):
+            continue
+        name = "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+        match = EXPERT_TENSOR.match(name)
+        if match:
+            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = array
+        else:
+            out[name] = array
+    for prefix, parts in experts.items():
+        count = 1 + max(e for e, _ in parts)
+        for e in range(count):
+            for kind in ("gate_proj", "up_proj", "down_proj"):
+                if (e, kind) not in parts:
+                    raise UserError(f"checkpoint: tensor {prefix}.{e}.{kind}.weight is missing")
+        out[prefix + ".gate_up_proj"] = np.stack([np.concatenate([parts[e, "gate_proj"], parts[e, "up_proj"]])
+                                                  for e in range(count)])
+        out[prefix + ".down_proj"] = np.stack([parts[e, "down_proj"] for e in range(count)])
+    return out
+
+
+def nest(flat):
+    """{"model.layers.0.mlp.up_proj.weight": a, ...} -> {"layers": [{"mlp": {"up_proj": a}}], ...}: the keys stay the
+    checkpoint's names (without `model.` and `.weight`), so layers unpack them with ** into pure functions."""
+    root = {}
+    for name, array in flat.items():
+        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = array
+
+    def listify(node):
+        if not isinstance(node, dict):
+            return node
+        if node and all(key.isdigit() for key in node):
+            return [listify(node[str(i)]) for i in range(len(node))]
+        return {key: listify(value) for key, value in node.items()}
+    return listify(root)
+
+
+def load_weights(model_dir, cfg):
+    """Strict: a missing, unexpected or misshaped tensor is an error naming it. `mtp.*` is kept if present."""
+    tensors = canonical_names(read_checkpoint_files(model_dir))
+    if cfg.tie_word_embeddings:  # tied checkpoints may or may not store lm_head; the embedding is the one used
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+    expected = checkpoint_shapes(cfg, with_mtp=any(name.startswith("mtp.") for name in tensors))
+    for name in sorted(set(expected) - set(tensors)):
+        raise UserError(f"{model_dir}: tensor {name} is missing")
+    for name in sorted(set(tensors) - set(expected)):
+        raise UserError(f"{model_dir}: unexpected tensor {name}")
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise UserError(f"{model_dir}: tensor {name} has shape {tensors[name].shape}, expected {shape}")
+    params = nest(tensors)
+    params["mtp"] = params.get("mtp")
+    return params
+
+
+def load_model(model_dir):
+    cfg = load_config(model_dir)
+    return cfg, load_weights(model_dir, cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Primitives
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def softplus(x):
+    return np.logaddexp(0, x)
+
+
+def softmax(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def rms_norm(x, weight, eps):  # (..., N) -> (..., N)
+    """Zero-centred RMSNorm: the checkpoint stores w, the scale is (1 + w)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1 + weight)
+
+
+def rms_norm_gated(x, z, weight, eps):  # (T, Hv, Dv), (T, Hv, Dv) -> (T, Hv, Dv)
+    """DeltaNet output norm: plain weight (no +1), normalise first, then gate with SiLU(z)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight * silu(z)
+
+
+def l2norm(x, eps=1e-6):  # (..., N) -> (..., N)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rope(x, positions, theta, rotary_dim):  # (T, H, Dh), (T,) -> (T, H, Dh)
+    """NeoX-style partial RoPE: dims [0, R) rotate in pairs (i, i + R/2), dims [R, Dh) pass through."""
+    R = rotary_dim
+    inv_freq = np.float32(theta) ** -(np.arange(0, R, 2, dtype=np.float32) / np.float32(R))   # (R/2,)
+    angles = positions.astype(np.float32)[:, None] * inv_freq                                   # (T, R/2)
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]                             # (T, 1, R)
+    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
+    x_rot, x_pass = x[..., :R], x[..., R:]
+    rotated_half = np.concatenate([-x_rot[..., R // 2:], x_rot[..., :R // 2]], axis=-1)         # (T, H, R)
+    return np.concatenate([x_rot * cos + rotated_half * sin, x_pass], axis=-1)
+
+
+def causal_conv1d(x, window, weight):  # (T, C), (W-1, C), (C, W) -> (T, C), (W-1, C)
+    """Depthwise causal conv: y_t = sum_i w[:, i] * x_{t-W+1+i}; the last tap multiplies the current token.
+    `window` holds the W-1 inputs before x (zeros at the start); the returned window ends at the last input."""
+    W = weight.shape[1]
+    padded = np.concatenate([window, x])                                                       # (W-1+T, C)
+    taps = np.lib.stride_tricks.sliding_window_view(padded, W, axis=0)                         # (T, C, W)
+    return np.einsum("tcw,cw->tc", taps, weight), padded[len(padded) - (W - 1):]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The gated delta rule, per value head h, with S of shape (Dk, Dv):
+#     S_t = alpha_t S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - (alpha_t S_{t-1})^T k_t),   o_t = S_t^T q_t
+# with alpha_t = exp(g_t). The three forms below take fla/transformers argument names (q, k, v, g, beta,
+# initial_state; q and k already L2-normalised, q scaled by Dk^-0.5 inside) and all return (o, final state, delta):
+# delta, the "innovation" each token writes into the state, is what tape-replay rollback records.
+# Value head h reads key head h // (Hv / Hk) (grouped value attention).
+
+def gated_delta_step(S, q, k, v, g, beta):  # (Hv, Dk, Dv), (Hv, Dk), (Hv, Dk), (Hv, Dv), (Hv,), (Hv,)
+    """One token: decay the state, write the correction of what it predicts for k, read with q."""
+    S = np.exp(g)[:, None, None] * S                                   # (Hv, Dk, Dv)  alpha_t S_{t-1}
+    delta = beta[:, None] * (v - np.einsum("hkv,hk->hv", S, k))         # (Hv, Dv)
+    S = S + np.einsum("hk,hv->hkv", k, delta)                          # (Hv, Dk, Dv)
+    o = np.einsum("hkv,hk->hv", S, q)                                  # (Hv, Dv)  read after the update
+    return o, S, delta
+
+
+def gva_heads(q, k, num_value_heads):  # (T, Hk, Dk) -> (T, Hv, Dk): consecutive value heads share a key head
+    r = num_value_heads // q.shape[1]
+    return np.repeat(q, r, axis=1) * np.float32(q.shape[-1] ** -0.5), np.repeat(k, r, axis=1)
+
+
+def gated_delta_recurrent(q, k, v, g, beta, initial_state):
+    """The literal per-token loop. (T, Hk, Dk) x2, (T, Hv, Dv), (T, Hv) x2, (Hv, Dk, Dv) -> (T, Hv, Dv), S, delta."""
+    q, k = gva_heads(q, k, v.shape[1])
+    S, outputs, deltas = initial_state, [], []
+    for t in range(len(v)):
+        o, S, delta = gated_delta_step(S, q[t], k[t], v[t], g[t], beta[t])
+        outputs.append(o)
+        deltas.append(delta)
+    return np.stack(outputs), S, np.stack(deltas)
+
+
+def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
+    """The chunked (WY / UT transform) form: the same result with matrix products inside each chunk of C tokens.
+    Within a chunk, with gamma_i = sum_{s<=i} g_s and Gamma_ij = exp(gamma_i - gamma_j) for i >= j:
+        A     = strictly_lower(diag(beta) K K^T * Gamma)             (C, C)
+        U     = (I + A)^-1 diag(beta) V                              "new values"
+        Wk    = (I + A)^-1 diag(beta) diag(e^gamma) K                decayed keys that read the old state
+        Delta = U - Wk S                                             the deltas of the recurrent form
+        O     = diag(e^gamma) Q S + (Q K^T * Gamma) Delta
+        S'    = e^gamma_last S + (diag(e^(gamma_last - gamma)) K)^T Delta
+    Padding with zeros (g = beta = 0) leaves outputs and state unchanged."""
+    T, Hv = v.shape[:2]
+    q, k = gva_heads(q, k, Hv)
+    pad = (-T) % chunk_size
+    q, k, v, g, beta = [np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
+    lower = np.tril(np.ones((chunk_size, chunk_size), dtype=bool))                       # (C, C) i >= j
+    strictly_lower = np.tril(lower, -1)
+    S, outputs, deltas = initial_state, [], []
+    for start in range(0, T + pad, chunk_size):
+        Q, Kc, Vc, G, B = [x[start:start + chunk_size].swapaxes(0, 1) for x in (q, k, v, g, beta)]  # (Hv, C, ...)
+        gamma = np.cumsum(G, axis=-1)                                                             # (Hv, C)
+        log_decay = np.where(lower, gamma[:, :, None] - gamma[:, None, :], -np.inf)              # (Hv, C, C)
+        Gamma = np.exp(log_decay)
+        A = np.where(strictly_lower, (B[..., None] * Kc) @ Kc.swapaxes(1, 2) * Gamma, 0)          # (Hv, C, C)
+        I_plus_A = np.eye(chunk_size, dtype=A.dtype) + A
+        U = np.linalg.solve(I_plus_A, B[..., None] * Vc)                                          # (Hv, C, Dv)
+        Wk = np.linalg.solve(I_plus_A, (B * np.exp(gamma))[..., None] * Kc)                       # (Hv, C, Dk)
+        Delta = U - Wk @ S                                                                        # (Hv, C, Dv)
+        O = np.exp(gamma)[..., None] * Q @ S + (Q @ Kc.swapaxes(1, 2) * Gamma) @ Delta             # (Hv, C, Dv)
+        decay_to_end = np.exp(gamma[:, -1:] - gamma)[..., None]                                   # (Hv, C, 1)
+        S = np.exp(gamma[:, -1])[:, None, None] * S + (decay_to_end * Kc).swapaxes(1, 2) @ Delta   # (Hv, Dk, Dv)
+        outputs.append(O.swapaxes(0, 1))
+        deltas.append(Delta.swapaxes(0, 1))
+    return np.concatenate(outputs)[:T], S, np.concatenate(deltas)[:T]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers. State is an explicit value per layer; a layer returns its new state and never mutates the old one.
+
+class DeltaState(NamedTuple):
+    conv: np.ndarray     # (W-1, C)  the last W-1 pre-conv inputs
+    S: np.ndarray        # (Hv, Dk, Dv)  recurrent state, fp32
+
+
+class AttnState(NamedTuple):
+    k: np.ndarray        # (S, Hkv, Dh)  keys after k_norm and RoPE
+    v: np.ndarray        # (S, Hkv, Dh)
+
+
+class Tape(NamedTuple):
+    """What one DeltaNet layer logs in a multi-token pass, enough to rebuild its state after any prefix."""
+    qkv: np.ndarray      # (T, C)  pre-conv inputs, to rebuild the conv window
+    k: np.ndarray        # (T, Hk, Dk)  normalised keys
+    g: np.ndarray        # (T, Hv)  log decays
+    delta: np.ndarray    # (T, Hv, Dv)
+
+
+class State(NamedTuple):
+    layers: tuple        # one DeltaState or AttnState per layer
+    length: int          # tokens consumed = position of the next token
+
+
+def empty_state(cfg):
+    C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
+    Hv, Dk, Dv, Hkv, Dh = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                           cfg.num_key_value_heads, cfg.head_dim)
+    layers = tuple(DeltaState(np.zeros((W - 1, C), np.float32), np.zeros((Hv, Dk, Dv), np.float32))
+                   if kind == "linear_attention" else
+                   AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
+                   for kind in cfg.layer_types)
+    return State(layers, 0)
+
+
+def gated_deltanet(x, state, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm,
+                   out_proj):  # (T, D) -> (T, D)
+    T = x.shape[0]
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv = x @ in_proj_qkv.T                                                     # (T, C)
+    mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :])               # (T, C), (W-1, C)
+    mixed = silu(mixed)
+    q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
+    k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
+    v = mixed[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)                              # (T, Hv, Dv)
+    beta = sigmoid(x @ in_proj_b.T)                                             # (T, Hv)  write strength
+    g = -np.exp(A_log) * softplus(x @ in_proj_a.T + dt_bias)                   # (T, Hv)  log decay, < 0
+    rule = gated_delta_recurrent if T == 1 else gated_delta_chunked            # decode steps, prefill chunks
+    o, S, delta = rule(q, k, v, g, beta, state.S)                              # (T, Hv, Dv)
+    z = (x @ in_proj_z.T).reshape(T, Hv, Dv)                                   # (T, Hv, Dv)  output gate
+    y = rms_norm_gated(o, z, norm, cfg.rms_norm_eps).reshape(T, Hv * Dv)
+    return y @ out_proj.T, DeltaState(conv, S), Tape(qkv, k, g, delta)
+
+
+def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):  # (T, D) -> (T, D)
+    T, Hq, Hkv, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    query_gate = (x @ q_proj.T).reshape(T, Hq, 2 * Dh)           # per head: [query | gate]
+    q = rms_norm(query_gate[..., :Dh], q_norm, cfg.rms_norm_eps)  # (T, Hq, Dh)
+    gate = query_gate[..., Dh:].reshape(T, Hq * Dh)               # (T, Hq*Dh)
+    k = rms_norm((x @ k_proj.T).reshape(T, Hkv, Dh), k_norm, cfg.rms_norm_eps)  # (T, Hkv, Dh)
+    v = (x @ v_proj.T).reshape(T, Hkv, Dh)                        # (T, Hkv, Dh)
+    q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+    keys, values = np.concatenate([state.k, k]), np.concatenate([state.v, v])   # (S, Hkv, Dh)
+    q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
+    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
+    visible = np.arange(len(keys))[None, :] <= positions[:, None]               # (T, S) causal
+    weights = softmax(np.where(visible, scores, -np.inf))
+    out = np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq * Dh)      # (T, Hq*Dh)
+    return (out * sigmoid(gate)) @ o_proj.T, AttnState(keys, values)
+
+
+def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
+    return (silu(x @ gate_proj.T) * (x @ up_proj.T)) @ down_proj.T
+
+
+def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T, D) -> (T, D)
+    """Softmax router over E experts, top-k renormalised, plus a shared expert behind a sigmoid gate."""
+    probs = softmax(x @ gate.T)                                              # (T, E)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]   # (T, k)
+    top_weights = np.take_along_axis(probs, top, axis=-1)
+    top_weights /= top_weights.sum(axis=-1, keepdims=True)                    # (T, k)
+    out = np.zeros_like(x)
+    F = cfg.moe_intermediate_size
+    for e in np.unique(top):
+        rows, slot = np.nonzero(top == e)
+        gate_up = x[rows] @ experts["gate_up_proj"][e].T                      # (n, 2F)  gate rows first
+        y = (silu(gate_up[:, :F]) * gate_up[:, F:]) @ experts["down_proj"][e].T
+        out[rows] += top_weights[rows, slot, None] * y
+    return out + sigmoid(x @ shared_expert_gate.T) * mlp(x, **shared_expert)
+
+
+def decoder_layer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D), new layer state, Tape or None
+    h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
+    if kind == "linear_attention":
+        y, state, tape = gated_deltanet(h, state, cfg, **layer["linear_attn"])
+    else:
+        (y, state), tape = gated_attention(h, state, positions, cfg, **layer["self_attn"]), None
+    x = x + y
+    h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
+    return x + (sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])), state, tape
+
+
+def forward(params, cfg, tokens, state):
+    """(T,) token ids after `state` -> logits (T, V), final-normed hidden (T, D), new State, per-layer Tapes."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    positions = state.length + np.arange(len(tokens))
+    x = params["embed_tokens"][tokens]                                          # (T, D)
+    layer_states, tapes = [], []
+    for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
+        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, cfg)
+        layer_states.append(layer_state)
+        tapes.append(tape)
+    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)                     # (T, D)
+    return hidden @ params["lm_head"].T, hidden, State(tuple(layer_states), state.length + len(tokens)), tapes
+
+
+def first_layers(params, cfg, n):
+    """The model cut after its first n layers (then final norm and lm_head): the skip:N self-speculative drafter."""
+    if not 1 <= n <= cfg.num_hidden_layers:
+        raise UserError(f"--draft skip:{n}: N must be in [1, {cfg.num_hidden_layers}] (the target's layer count)")
+    return {**params, "layers": params["layers"][:n]}, replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling. Randomness is explicit: callers pass uniforms drawn from a seeded np.random.Generator.
+
+class Sampling(NamedTuple):
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+
+
+def probabilities(logits, sampling):  # (..., V) -> (..., V)
+    """The distribution a token is drawn from: temperature, then top-k, then top-p (as transformers orders them).
+    Temperature 0 puts all the mass on the argmax."""
+    if sampling.temperature == 0:
+        return (np.arange(logits.shape[-1]) == logits.argmax(axis=-1)[..., None]).astype(np.float32)
+    p = softmax(logits / np.float32(sampling.temperature))
+    if sampling.top_k:
+        kth_largest = np.sort(p, axis=-1)[..., -min(sampling.top_k, p.shape[-1]), None]
+        p = np.where(p >= kth_largest, p, 0)
+        p /= p.sum(axis=-1, keepdims=True)
+    if sampling.top_p < 1:  # keep the smallest top set whose mass reaches top_p
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        keep = np.empty_like(p, dtype=bool)
+        np.put_along_axis(keep, order, np.cumsum(sorted_p, axis=-1) - sorted_p < sampling.top_p, axis=-1)
+        p = np.where(keep, p, 0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def sample(p, u):  # (V,), uniform in [0, 1) -> token id
+    """Inverse-CDF sampling: the token whose cumulative-probability interval contains u."""
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Speculative decoding. A round: the drafter proposes K tokens; one target pass (verify) runs on the last committed
+# token plus the K drafts, giving K+1 next-token distributions; acceptance keeps n-1 drafts plus one token of the
+# target's; the state must then equal the state after the n kept positions. Attention KV truncates. A DeltaNet state
+# has already absorbed all K+1 positions, so it is rebuilt by one of two exact strategies:
+#   per-position: at verify time, keep the state and conv window after every position; commit is an index
+#                 (vLLM, SGLang). Extra memory: K+1 states per layer.
+#   replay:       keep the tape (delta, k, g, qkv) of the verify pass; on a partial accept, start again from the
+#                 pre-verify state and apply only rank-1 updates S <- alpha S + k delta^T for the kept steps
+#                 (dflash-mlx). No q, no outputs, no model forward. Full acceptance needs no replay.
+
+ROLLBACK_STRATEGIES = ("per-position", "replay")
+
+
+def delta_states(S0, tape):  # (Hv, Dk, Dv), Tape of T steps -> (T, Hv, Dk, Dv)
+    """The state after each step, in closed form: S_t = e^gamma_t S_0 + sum_{j<=t} e^(gamma_t - gamma_j) k_j delta_j^T."""
+    T, Hv = tape.g.shape
+    k = np.repeat(tape.k, Hv // tape.k.shape[1], axis=1)                                    # (T, Hv, Dk)
+    gamma = np.cumsum(tape.g, axis=0)                                                       # (T, Hv)
+    lower = np.tril(np.ones((T, T), dtype=bool))[..., None]
+    decay = np.exp(np.where(lower, gamma[:, None] - gamma[None, :], -np.inf))              # (T, T, Hv)
+    return np.exp(gamma)[..., None, None] * S0 + np.einsum("tjh,jhk,jhv->thkv", decay, k, tape.delta)
+
+
+def replay(S0, tape, n):  # (Hv, Dk, Dv), Tape, steps -> (Hv, Dk, Dv)
+    """Rebuild the state after n steps from the tape: decay and rank-1 updates only."""
+    k = np.repeat(tape.k, tape.g.shape[1] // tape.k.shape[1], axis=1)                       # (T, Hv, Dk)
+    S = S0
+    for t in range(n):
+        S = np.exp(tape.g[t])[:, None, None] * S + np.einsum("hk,hv->hkv", k[t], tape.delta[t])
+    return S
+
+
+def conv_windows(window, qkv):  # (W-1, C), (T, C) -> (T, W-1, C): the conv window after each step
+    padded = np.concatenate([window, qkv])
+    return np.lib.stride_tricks.sliding_window_view(padded, len(window), axis=0)[1:].swapaxes(1, 2)
+
+
+def truncate(attn, length):
+    return AttnState(attn.k[:length], attn.v[:length])
+
+
+def keep_per_position(before, tapes):
+    """Per-position strategy, at verify time: every DeltaNet layer's (S, conv window) after each verified position."""
+    return [None if tape is None else (delta_states(layer.S, tape), conv_windows(layer.conv, tape.qkv))
+            for layer, tape in zip(before.layers, tapes)]
+
+
+def commit_per_position(before, after, kept, n):
+    """Keep the first n verified positions: an index into the kept states."""
+    layers = tuple(truncate(a, before.length + n) if k is None else DeltaState(k[1][n - 1], k[0][n - 1])
+                   for a, k in zip(after.layers, kept))
+    return State(layers, before.length + n)
+
+
+def commit_replay(before, after, tapes, n):
+    """Keep the first n verified positions: replay the tape from the pre-verify state (skipped on full accept)."""
+    if n == after.length - before.length:            # everything accepted: the verify pass left the right state
+        return after
+    layers = tuple(truncate(a, before.length + n) if t is None else
+                   DeltaState(np.concatenate([b.conv, t.qkv[:n]])[n:], replay(b.S, t, n))
+                   for b, a, t in zip(before.layers, after.layers, tapes))
+    return State(layers, before.length + n)
+
+
+def nbytes(tree):
+    if isinstance(tree, np.ndarray):
+        return tree.nbytes
+    return sum(nbytes(x) for x in tree) if isinstance(tree, (list, tuple)) else 0
+
+
+def accept_greedy(draft, logits):  # (K,), (K+1, V) -> (accepted drafts, next token)
+    """Longest prefix of the draft equal to the target's argmax, then the target's own next token."""
+    target = logits.argmax(axis=-1)
+    n = 0
+    while n < len(draft) and draft[n] == target[n]:
+        n += 1
+    return n, int(target[n])
+
+
+def accept_speculative(draft, q, p, u):  # (K,), (K, V), (K+1, V), (K+1,) uniforms -> (accepted drafts, next token)
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1): accept draft x_i with probability
+    min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from normalize(max(0, p_i - q_i)); if all K are
+    accepted, sample a bonus token from p_K. The output is distributed exactly as p. u[i] decides draft i;
+    u[K] draws the final token."""
+    K = len(draft)
+    for i, x in enumerate(draft):
+        if not u[i] < min(1, p[i, x] / q[i, x]):
+            residual = np.maximum(p[i] - q[i], 0)
+            return i, sample(residual if residual.sum() > 0 else p[i], u[K])
+    return K, sample(p[K], u[K])
+
+
+# Drafters. A drafter is a pure function over its own explicit state:
+#   propose(draft_state, context, new_hidden, k, sampling, rng) -> (tokens (k',), q (k', V), draft_state), k' <= k
+# `context` holds every committed token; the target has consumed all but the last. `new_hidden` (n, D) holds the
+# target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them).
+
+class Drafter(NamedTuple):
+    name: str
+    initial_state: object
+    propose: Callable
+
+
+def one_hot(tokens, V):  # (k,) -> (k, V)
+    return (np.asarray(tokens)[:, None] == np.arange(V)).astype(np.float32)
+
+
+def prompt_lookup(context, k, max_ngram=3):
+    """The tokens that followed the latest earlier occurrence of the longest suffix of the context (<= max_ngram)."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                return context[start + n:start + n + k]
+    return []
+
+
+def build_ngram_table(sequences, n=3, length=4):
+    """Offline "free drafts": for each n-gram in the target's own generations, its most frequent next phrase."""
+    counts = {}
+    for seq in sequences:
+        for i in range(len(seq) - n):
+            phrase = tuple(seq[i + n:i + n + length])
+            counter = counts.setdefault(tuple(seq[i:i + n]), {})
+            counter[phrase] = counter.get(phrase, 0) + 1
+    return {"n": n, "table": {" ".join(map(str, key)): list(max(c, key=lambda p: (c[p], len(p), [-t for t in p])))
+                              for key, c in counts.items()}}
+
+
+def ngram_drafter(V, table=None):
+    """Copy from the context (prompt lookup); else the offline n-gram table. q is one-hot."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        tokens = prompt_lookup(context, k)
+        if not tokens and table and len(context) >= table["n"]:
+            tokens = table["table"].get(" ".join(map(str, context[-table["n"]:])), [])[:k]
+        return list(tokens), one_hot(tokens, V), draft_state
+    return Drafter("ngram", None, propose)
+
+
+def draw(logits, sampling, rng):  # (V,) -> token, its distribution (V,)
+    p = probabilities(logits, sampling)
+    return sample(p, rng.random()), p
+
+
+def model_drafter(params, cfg, name):
+    """A smaller model (or the target's first N layers) drafting autoregressively with its own state. The state after
+    each drafted token is kept, so after a partial accept the drafter resumes from the longest accepted prefix."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        history, checkpoints = draft_state        # checkpoints[n]: state after consuming history[:n]
+        if k == 0:
+            return [], np.zeros((0, cfg.vocab_size), np.float32), draft_state
+        same = next((i for i, (a, b) in enumerate(zip(history, context)) if a != b), min(len(history), len(context)))
+        resume = max(n for n in checkpoints if n <= min(same, len(context) - 1))
+        logits, _, state, _ = forward(params, cfg, context[resume:], checkpoints[resume])
+        checkpoints = {len(context): state}
+        tokens, q = [], []
+        for i in range(k):
+            token, p = draw(logits[-1], sampling, rng)
+            tokens.append(token)
+            q.append(p)
+            if i < k - 1:
+                logits, _, state, _ = forward(params, cfg, [token], state)
+                checkpoints[len(context) + i + 1] = state
+        return tokens, np.stack(q), (list(context) + tokens[:-1], checkpoints)
+    return Drafter(name, ([], {0: empty_state(cfg)}), propose)
+
+
+def mtp_forward(params, cfg, tokens, hidden, state):  # (T,), (T, D) -> logits (T, V), hidden (T, D), State
+    """Qwen3.5's multi-token-prediction head: the pair (target hidden h_p, token x_{p+1}) at position p predicts
+    x_{p+2}. fc over [norm(embedding); norm(hidden)] (embedding first), one full-attention decoder layer with its own
+    KV cache, mtp.norm, and the target's shared lm_head."""
+    m = params["mtp"]
+    e = rms_norm(params["embed_tokens"][np.asarray(tokens)], m["pre_fc_norm_embedding"], cfg.rms_norm_eps)
+    h = rms_norm(hidden, m["pre_fc_norm_hidden"], cfg.rms_norm_eps)
+    x = np.concatenate([e, h], axis=-1) @ m["fc"].T                                         # (T, D)
+    positions = state.length + np.arange(len(x))
+    x, layer_state, _ = decoder_layer(x, "full_attention", m["layers"][0], state.layers[0], positions, cfg)
+    out = rms_norm(x, m["norm"], cfg.rms_norm_eps)
+    return out @ params["lm_head"].T, out, State((layer_state,), state.length + len(x))
+
+
+def mtp_drafter(params, cfg):
+    """Catch the MTP head up on the newly verified positions, then chain it K times, feeding its own output hidden
+    state and drafted token (its KV for the chained steps is dropped; the state kept covers committed pairs)."""
+    if params["mtp"] is None:
+        raise UserError("--draft mtp: the checkpoint has no mtp.* weights")
+    if cfg.mtp_num_hidden_layers > 1:
+        raise UserError(f"--draft mtp: mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}, only 1 is supported")
+
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        start = draft_state.length                # MTP pairs exist for positions [0, start)
+        logits, h, state = mtp_forward(params, cfg, context[start + 1:start + 1 + len(new_hidden)], new_hidden,
+                                       draft_state)
+        committed, tokens, q = state, [], []
+        for i in range(k):
+            token, p = draw(logits[-1], sampling, rng)
+            tokens.append(token)
+            q.append(p)
+            if i < k - 1:
+                logits, h, state = mtp_forward(params, cfg, [token], h[-1:], state)
+        return tokens, np.stack(q) if q else np.zeros((0, cfg.vocab_size), np.float32), committed
+    Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
+    empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
+    return Drafter("mtp", State((empty,), 0), propose)
+
+
+def make_drafter(spec, params, cfg, ngram_table=None):
+    """--draft {none,ngram,mtp,skip:N,model:DIR} -> Drafter or None."""
+    if spec == "none":
+        return None
+    if spec == "ngram":
+        return ngram_drafter(cfg.vocab_size, ngram_table)
+    if spec == "mtp":
+        return mtp_drafter(params, cfg)
+    if spec.startswith("skip:"):
+        if not spec[5:].isdigit():
+            raise UserError(f"--draft {spec}: N must be a layer count")
+        return model_drafter(*first_layers(params, cfg, int(spec[5:])), spec)
+    if spec.startswith("model:"):
+        draft_cfg, draft_params = load_model(spec[6:])
+        if draft_cfg.vocab_size != cfg.vocab_size:
+            raise UserError(f"--draft {spec}: vocab_size {draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}")
+        return model_drafter(draft_params, draft_cfg, spec)
+    raise UserError(f"--draft {spec!r}: expected none, ngram, mtp, skip:N or model:DIR")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generation
+
+def check_prompt(cfg, prompt):
+    if not len(prompt):
+        raise UserError("the prompt is empty")
+    if len(prompt) > cfg.max_position_embeddings:
+        raise UserError(f"the prompt has {len(prompt)} tokens, more than max_position_embeddings={cfg.max_position_embeddings}")
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise UserError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def token_limit(cfg, prompt, max_new_tokens):
+    """How many tokens may be generated: max_new_tokens, cut where the sequence fills max_position_embeddings."""
+    check_prompt(cfg, prompt)
+    return min(max_new_tokens, cfg.max_position_embeddings - len(prompt))
+
+
+def generate(params, cfg, prompt, max_new_tokens, sampling, rng, on_tokens=lambda new: None):
+    """Plain decoding: prefill the prompt, then one forward per token. Stops at EOS or the length limit."""
+    limit, tokens, start = token_limit(cfg, prompt, max_new_tokens), [], time.perf_counter()
+    logits, _, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+    prefill_done = time.perf_counter()
+    while len(tokens) < limit:
+        if tokens:
+            logits, _, state, _ = forward(params, cfg, tokens[-1:], state)
+        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
+        on_tokens(tokens[-1:])
+        if tokens[-1] in cfg.eos_token_id:
+            break
+    end = time.perf_counter()
+    calls = max(len(tokens) - 1, 0)
+    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
+                    "tokens_per_call": 1.0 if calls else 0.0,
+                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+
+
+def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, draft_len, rollback="replay",
+                         on_tokens=lambda new: None):
+    """Speculative decoding: the same tokens as `generate` under greedy decoding, the same distribution under
+    sampling. Each round: draft, verify in one target pass, accept, roll the state back to the kept prefix."""
+    limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
+    stats = {"prompt_tokens": len(prompt), "target_calls": 0, "proposed": 0, "accepted": 0,
+             "accepted_by_position": [0] * draft_len, "proposed_by_position": [0] * draft_len,
+             "rollback": rollback, "rollback_bytes": 0}
+    seconds = dict.fromkeys(("prefill", "draft", "verify", "rollback"), 0.0)
+    clock = time.perf_counter()
+
+    def lap(phase):
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[phase] += now - clock
+        clock = now
+
+    if limit > 0:
+        logits, new_hidden, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
+        on_tokens(tokens[-1:])
+        lap("prefill")
+    draft_state = drafter.initial_state
+    while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
+        k = min(draft_len, limit - len(tokens) - 1)        # room for the target's own token after the drafts
+        draft, q, draft_state = drafter.propose(draft_state, list(prompt) + tokens, new_hidden, k, sampling, rng)
+        draft = [int(t) for t in draft]
+        if len(draft) > k or any(not 0 <= t < cfg.vocab_size for t in draft):
+            raise UserError(f"drafter {drafter.name} proposed {draft} for k={k}: ids must be in [0, {cfg.vocab_size})")
+        lap("draft")
+        before = state
+        logits, hidden, after, tapes = forward(params, cfg, tokens[-1:] + draft, state)     # verify
+        kept = keep_per_position(before, tapes) if rollback == "per-position" else None
+        if sampling.temperature == 0:
+            accepted, token = accept_greedy(draft, logits)
+        else:
+            accepted, token = accept_speculative(draft, q, probabilities(logits, sampling), rng.random(len(draft) + 1))
+        lap("verify")
+        n = accepted + 1                                     # verified positions kept: last token + accepted drafts
+        stats["rollback_bytes"] = max(stats["rollback_bytes"], nbytes(kept if kept is not None else tapes))
+        state = (commit_per_position(before, after, kept, n) if rollback == "per-position" else
+                 commit_replay(before, after, tapes, n))
+        lap("rollback")
+        new_hidden = hidden[:n]
+        stats["target_calls"] += 1
+        stats["proposed"] += len(draft)
+        stats["accepted"] += accepted
+        for i in range(len(draft)):
+            stats["proposed_by_position"][i] += 1
+            stats["accepted_by_position"][i] += i < accepted
+        new = draft[:accepted] + [token]
+        eos = next((i for i, t in enumerate(new) if t in cfg.eos_token_id), None)
+        new = new[:eos + 1] if eos is not None else new
+        tokens += new
+        on_tokens(new)
+    seconds["total"] = sum(seconds.values())
+    stats.update(new_tokens=len(tokens), seconds=seconds,
+                 tokens_per_call=(len(tokens) - 1) / stats["target_calls"] if stats["target_calls"] else 0.0)
+    return tokens, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(message)
+
+
+def parse_args(argv):
+    ap = OneLineParser(prog="reference.py", description="Qwen3.5 hybrid model in NumPy, with speculative decoding.")
+    ap.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
+    ap.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dump-logits", metavar="PATH.npy", help="write the prompt's logits, float32 (T, V), and exit")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    ap.add_argument("--draft", default="none", help="none, ngram, mtp, skip:N or model:DIR")
+    ap.add_argument("--draft-len", type=int, default=4, help="K, draft tokens per round")
+    ap.add_argument("--rollback", choices=ROLLBACK_STRATEGIES, default="replay")
+    ap.add_argument("--ngram-table", metavar="PATH.json", help="offline n-gram table for --draft ngram")
+    args = ap.parse_args(argv)
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise UserError("give exactly one of --prompt and --prompt-ids")
+    checks = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
+              ("--temperature", args.temperature, args.temperature >= 0, ">= 0"),
+              ("--top-k", args.top_k, args.top_k >= 0, ">= 0"),
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+              ("--draft-len", args.draft_len, args.draft_len >= 0, ">= 0")]
+    for flag, value, ok, rule in checks:
+        if not ok or value != value:  # value != value catches nan
+            raise UserError(f"{flag} {value}: must be {rule}")
+    return args
+
+
+def parse_ids(text):
+    try:
+        return [int(t) for t in text.split(",")] if text.strip() else []
+    except ValueError:
+        raise UserError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+
+
+def load_tokenizer(model_dir):
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.exists():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise UserError(f"{path}: cannot read tokenizer ({e})") from None
+
+
+def text_stream(tokenizer, out):
+    """on_tokens callback printing the text as it grows (held back while a UTF-8 character is incomplete)."""
+    tokens, shown = [], 0
+
+    def on_tokens(new):
+        nonlocal shown
+        tokens.extend(new)
+        if tokenizer is None:
+            out.write("".join(f"{t} " for t in new))
+        else:
+            text = tokenizer.decode(tokens)
+            if not text.endswith("\ufffd"):
+                out.write(text[shown:])
+                shown = len(text)
+        out.flush()
+    return on_tokens
+
+
+def summary(stats):
+    s = stats["seconds"]
+    line = (f"{stats['new_tokens']} tokens in {s['total']:.2f} s "
+            f"({stats['new_tokens'] / s['total'] if s['total'] else 0:.1f} tok/s); target calls {stats['target_calls']}, "
+            f"{stats['tokens_per_call']:.2f} tokens/call")
+    if "proposed" in stats:
+        line += (f"; accepted {stats['accepted']}/{stats['proposed']} drafts, by position "
+                 f"{stats['accepted_by_position']}/{stats['proposed_by_position']}; draft {s['draft']:.2f} s, "
+                 f"verify {s['verify']:.2f} s, rollback {s['rollback']:.3f} s ({stats['rollback']}, "
+                 f"{stats['rollback_bytes'] / 2**20:.2f} MiB held)")
+    return line
+
+
+def read_ngram_table(path):
+    table = read_json(path)
+    if not (isinstance(table, dict) and isinstance(table.get("n"), int) and isinstance(table.get("table"), dict)):
+        raise UserError(f"{path}: not an n-gram table (expected {{\"n\": int, \"table\": {{...}}}})")
+    return table
+
+
+def run(args):
+    cfg, params = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    if args.prompt is not None and tokenizer is None:
+        raise UserError(f"{args.model}: no tokenizer.json, use --prompt-ids")
+    prompt = parse_ids(args.prompt_ids) if args.prompt is None else tokenizer.encode(args.prompt).ids
+    if args.dump_logits:
+        check_prompt(cfg, prompt)
+        logits = forward(params, cfg, prompt, empty_state(cfg))[0]
+        try:
+            np.save(args.dump_logits, logits.astype(np.float32))
+        except OSError as e:
+            raise UserError(f"--dump-logits {args.dump_logits}: {e}") from None
+        return
+    table = read_ngram_table(args.ngram_table) if args.ngram_table else None
+    drafter = make_drafter(args.draft, params, cfg, table)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    rng = np.random.default_rng(args.seed)
+    on_tokens = (lambda new: None) if args.json else text_stream(tokenizer, sys.stdout)
+    if drafter is None:
+        tokens, stats = generate(params, cfg, prompt, args.max_new_tokens, sampling, rng, on_tokens)
+    else:
+        tokens, stats = generate_speculative(params, cfg, prompt, args.max_new_tokens, sampling, rng, drafter,
+                                             args.draft_len, args.rollback, on_tokens)
+    if args.json:
+        text = tokenizer.decode(tokens) if tokenizer else ""
+        print(json.dumps({"prompt_ids": prompt, "tokens": tokens, "text": text, "stats": stats}))
+    else:
+        print()
+    print(summary(stats), file=sys.stderr)
+
+
+def main(argv=None):
+    try:
+        run(parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
