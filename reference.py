@@ -88,7 +88,7 @@ class Config:
         else:
             check(self.intermediate_size > 0, "intermediate_size", self.intermediate_size, "must be > 0")
         for field in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "linear_key_head_dim",
-                      "linear_value_head_dim", "max_position_embeddings"):
+                      "linear_value_head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta"):
             check(getattr(self, field) > 0, field, getattr(self, field), "must be > 0")
 
     @property
@@ -124,18 +124,19 @@ def config_from_dict(raw, generation_config=None):
     text = raw[MODEL_TYPES[model_type]] if MODEL_TYPES[model_type] else raw
     if not isinstance(text, dict):
         raise UserError(f"config: text_config={text!r} is not an object")
-    text_type = "qwen3_5_moe_text" if model_type.startswith("qwen3_5_moe") else "qwen3_5_text"
+    moe = model_type.startswith("qwen3_5_moe")
 
-    def get(key, default=KeyError):
-        if key in text:
-            return text[key]
-        if default is KeyError:
+    def get(key, default=None, kind=int, source=text):
+        if key not in source and default is None:
             raise UserError(f"config: required field {key!r} is missing")
-        return default
+        value = source.get(key, default)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise UserError(f"config: {key}={value!r} has the wrong type, expected {getattr(kind, '__name__', 'number')}")
+        return value
 
-    if get("hidden_act", "silu") != "silu":
-        raise UserError(f"config: hidden_act={get('hidden_act')!r} is not supported (only 'silu')")
-    if get("attention_bias", False):
+    if get("hidden_act", "silu", str) != "silu":
+        raise UserError(f"config: hidden_act={text['hidden_act']!r} is not supported (only 'silu')")
+    if get("attention_bias", False, bool):
         raise UserError("config: attention_bias=true is not supported (no released Qwen3.5 model has it)")
     # RoPE: `rope_parameters` (transformers v5) or the legacy top-level rope_theta / rope_scaling fields.
     rope = dict(text.get("rope_scaling") or {})
@@ -146,38 +147,29 @@ def config_from_dict(raw, generation_config=None):
         raise UserError(f"config: rope_type={rope_type!r} is not supported (only 'default')")
     # Text-only input puts the same position in all three mRoPE sections, which is exactly 1-D RoPE.
     num_layers = get("num_hidden_layers")
-    layer_types = text.get("layer_types") or layer_types_from_interval(num_layers, text.get("full_attention_interval", 4))
+    layer_types = text.get("layer_types") or layer_types_from_interval(num_layers, get("full_attention_interval", 4))
     eos = set()
     for source in (text, raw, generation_config or {}):
         value = source.get("eos_token_id")
         eos.update(value if isinstance(value, list) else [] if value is None else [value])
     fields = dict(
-        model_type=text_type, vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
-        num_hidden_layers=num_layers, layer_types=tuple(layer_types),
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text", vocab_size=get("vocab_size"),
+        hidden_size=get("hidden_size"), num_hidden_layers=num_layers, layer_types=tuple(layer_types),
         num_attention_heads=get("num_attention_heads"), num_key_value_heads=get("num_key_value_heads"),
         head_dim=get("head_dim"), linear_num_key_heads=get("linear_num_key_heads"),
         linear_num_value_heads=get("linear_num_value_heads"), linear_key_head_dim=get("linear_key_head_dim"),
         linear_value_head_dim=get("linear_value_head_dim"), linear_conv_kernel_dim=get("linear_conv_kernel_dim"),
-        rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", 10000.0),
-        partial_rotary_factor=rope.get("partial_rotary_factor", 0.25),  # transformers' default for Qwen3.5
-        max_position_embeddings=get("max_position_embeddings"),
+        rms_norm_eps=get("rms_norm_eps", 1e-6, (int, float)), max_position_embeddings=get("max_position_embeddings"),
+        rope_theta=get("rope_theta", 10000.0, (int, float), rope),
+        partial_rotary_factor=get("partial_rotary_factor", 0.25, (int, float), rope),  # transformers' Qwen3.5 default
         tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
         eos_token_id=tuple(sorted(eos)), mtp_num_hidden_layers=get("mtp_num_hidden_layers", 0))
-    if text_type == "qwen3_5_moe_text":
+    if moe:
         fields.update(num_experts=get("num_experts"), num_experts_per_tok=get("num_experts_per_tok"),
                       moe_intermediate_size=get("moe_intermediate_size"),
                       shared_expert_intermediate_size=get("shared_expert_intermediate_size"))
     else:
         fields.update(intermediate_size=get("intermediate_size"))
-    for name, value in fields.items():
-        if name in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-        elif name in ("model_type", "layer_types", "eos_token_id", "tie_word_embeddings"):
-            ok = True
-        else:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        if not ok:
-            raise UserError(f"config: {name}={value!r} has the wrong type or value")
     return Config(**fields)
 
 
@@ -445,7 +437,7 @@ def gated_delta_recurrent(q, k, v, g, beta, initial_state):
 
 
 def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
-    """The chunked (WY / UT transform) form: the same result with matrix products inside each chunk of C tokens.
+    """The chunked (WY / UT transform) form: the same result with matrix products inside each chunk of <= 64 tokens.
     Within a chunk, with gamma_i = sum_{s<=i} g_s and Gamma_ij = exp(gamma_i - gamma_j) for i >= j:
         A     = strictly_lower(diag(beta) K K^T * Gamma)             (C, C)
         U     = (I + A)^-1 diag(beta) V                              "new values"
@@ -453,21 +445,17 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
         Delta = U - Wk S                                             the deltas of the recurrent form
         O     = diag(e^gamma) Q S + (Q K^T * Gamma) Delta
         S'    = e^gamma_last S + (diag(e^(gamma_last - gamma)) K)^T Delta
-    Padding with zeros (g = beta = 0) leaves outputs and state unchanged."""
-    T, Hv = v.shape[:2]
-    q, k = gva_heads(q, k, Hv)
-    pad = (-T) % chunk_size
-    q, k, v, g, beta = [np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
-    lower = np.tril(np.ones((chunk_size, chunk_size), dtype=bool))                       # (C, C) i >= j
-    strictly_lower = np.tril(lower, -1)
+    The last chunk is simply shorter (transformers pads it with zeros instead, which changes nothing)."""
+    q, k = gva_heads(q, k, v.shape[1])
     S, outputs, deltas = initial_state, [], []
-    for start in range(0, T + pad, chunk_size):
+    for start in range(0, len(v), chunk_size):
         Q, Kc, Vc, G, B = [x[start:start + chunk_size].swapaxes(0, 1) for x in (q, k, v, g, beta)]  # (Hv, C, ...)
+        C = G.shape[1]
+        lower = np.tril(np.ones((C, C), dtype=bool))                                              # i >= j
         gamma = np.cumsum(G, axis=-1)                                                             # (Hv, C)
-        log_decay = np.where(lower, gamma[:, :, None] - gamma[:, None, :], -np.inf)              # (Hv, C, C)
-        Gamma = np.exp(log_decay)
-        A = np.where(strictly_lower, (B[..., None] * Kc) @ Kc.swapaxes(1, 2) * Gamma, 0)          # (Hv, C, C)
-        I_plus_A = np.eye(chunk_size, dtype=A.dtype) + A
+        Gamma = np.exp(np.where(lower, gamma[:, :, None] - gamma[:, None, :], -np.inf))          # (Hv, C, C)
+        A = np.tril((B[..., None] * Kc) @ Kc.swapaxes(1, 2) * Gamma, -1)                          # (Hv, C, C)
+        I_plus_A = np.eye(C, dtype=A.dtype) + A
         U = np.linalg.solve(I_plus_A, B[..., None] * Vc)                                          # (Hv, C, Dv)
         Wk = np.linalg.solve(I_plus_A, (B * np.exp(gamma))[..., None] * Kc)                       # (Hv, C, Dk)
         Delta = U - Wk @ S                                                                        # (Hv, C, Dv)
@@ -476,7 +464,7 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
         S = np.exp(gamma[:, -1])[:, None, None] * S + (decay_to_end * Kc).swapaxes(1, 2) @ Delta   # (Hv, Dk, Dv)
         outputs.append(O.swapaxes(0, 1))
         deltas.append(Delta.swapaxes(0, 1))
-    return np.concatenate(outputs)[:T], S, np.concatenate(deltas)[:T]
+    return np.concatenate(outputs), S, np.concatenate(deltas)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1021,21 +1009,30 @@ def load_tokenizer(model_dir):
 
 
 def text_stream(tokenizer, out):
-    """on_tokens callback printing the text as it grows (held back while a UTF-8 character is incomplete)."""
+    """(on_tokens, finish) callbacks printing the text as it grows; a trailing incomplete UTF-8 character is held
+    back until the next token completes it, or until finish()."""
     tokens, shown = [], 0
 
-    def on_tokens(new):
+    def show(final):
         nonlocal shown
+        text = tokenizer.decode(tokens)
+        if final or not text.endswith("\ufffd"):
+            out.write(text[shown:])
+            shown = len(text)
+
+    def on_tokens(new):
         tokens.extend(new)
         if tokenizer is None:
             out.write("".join(f"{t} " for t in new))
         else:
-            text = tokenizer.decode(tokens)
-            if not text.endswith("\ufffd"):
-                out.write(text[shown:])
-                shown = len(text)
+            show(final=False)
         out.flush()
-    return on_tokens
+
+    def finish():
+        if tokenizer is not None:
+            show(final=True)
+        out.write("\n")
+    return on_tokens, finish
 
 
 def summary(stats):
@@ -1076,17 +1073,16 @@ def run(args):
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     rng = np.random.default_rng(args.seed)
-    on_tokens = (lambda new: None) if args.json else text_stream(tokenizer, sys.stdout)
+    on_tokens, finish = ((lambda new: None), (lambda: None)) if args.json else text_stream(tokenizer, sys.stdout)
     if drafter is None:
         tokens, stats = generate(params, cfg, prompt, args.max_new_tokens, sampling, rng, on_tokens)
     else:
         tokens, stats = generate_speculative(params, cfg, prompt, args.max_new_tokens, sampling, rng, drafter,
                                              args.draft_len, args.rollback, on_tokens)
+    finish()
     if args.json:
         text = tokenizer.decode(tokens) if tokenizer else ""
         print(json.dumps({"prompt_ids": prompt, "tokens": tokens, "text": text, "stats": stats}))
-    else:
-        print()
     print(summary(stats), file=sys.stderr)
 
 

@@ -46,7 +46,8 @@ CHECKPOINTS = {
     "tiny-moe-per-expert-mtp": (dict(MOE, mtp_num_hidden_layers=1), {"mtp": True, "per_expert": True}),
     "tiny-odd": (dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=12, linear_value_head_dim=20,
                       head_dim=20, linear_conv_kernel_dim=3, intermediate_size=72,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}), {}),
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+                      mtp_num_hidden_layers=1), {"mtp": True}),
     "tiny-multimodal": (dict(tie_word_embeddings=False, mtp_num_hidden_layers=1), {"mtp": True, "multimodal": True}),
     "tiny-draft": (dict(num_hidden_layers=2, full_attention_interval=2, hidden_size=32, intermediate_size=48), {}),
 }

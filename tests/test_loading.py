@@ -1,0 +1,144 @@
+"""Config parsing and strict weight loading: every layout the published checkpoints use, and clear errors."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from safetensors.torch import save_file as save_torch
+
+import reference as R
+from conftest import ROOT
+from hf_models import build, text_config
+
+DENSE = json.loads((ROOT / "weights" / "tiny-dense" / "config.json").read_text())
+
+
+def test_all_four_model_types_and_both_nestings():
+    flat = R.config_from_dict(DENSE)
+    nested = R.config_from_dict({"model_type": "qwen3_5", "text_config": {**DENSE, "model_type": "qwen3_5_text"},
+                                 "tie_word_embeddings": False})
+    assert flat == nested
+    moe = json.loads((ROOT / "weights" / "tiny-moe" / "config.json").read_text())
+    moe_nested = R.config_from_dict({"model_type": "qwen3_5_moe", "text_config": moe, "tie_word_embeddings": False})
+    assert R.config_from_dict(moe) == moe_nested and moe_nested.is_moe and moe_nested.num_experts == 4
+
+
+def test_config_written_by_transformers_round_trips(tmp_path):
+    for kind in ("dense", "moe", "odd"):
+        hf = text_config(kind)
+        hf.save_pretrained(tmp_path / kind)
+        cfg = R.load_config(tmp_path / kind)
+        assert cfg.layer_types == tuple(hf.layer_types) and cfg.rotary_dim == int(hf.head_dim * (0.5 if kind == "odd" else 0.25))
+
+
+def test_layer_types_from_interval_and_legacy_rope_fields():
+    legacy = {k: v for k, v in DENSE.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=1e6, partial_rotary_factor=0.5, full_attention_interval=2)
+    cfg = R.config_from_dict(legacy)
+    assert cfg.rope_theta == 1e6 and cfg.rotary_dim == 8
+    assert cfg.layer_types == ("linear_attention", "full_attention") * 2
+    explicit = R.config_from_dict({**DENSE, "layer_types": ["full_attention"] * 4})
+    assert explicit.layer_types == ("full_attention",) * 4
+
+
+def test_eos_ids_come_from_config_and_generation_config(tmp_path):
+    shutil.copytree(ROOT / "weights" / "tiny-dense", tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 7]}))
+    assert R.load_config(tmp_path / "m").eos_token_id == (7, 256)
+
+
+BAD_CONFIGS = [
+    ({"model_type": "llama"}, "model_type='llama' is not one of"),
+    ({"num_hidden_layers": "4"}, "num_hidden_layers=.4. has the wrong type, expected int"),
+    ({"linear_num_key_heads": 3}, "linear_num_key_heads=3 does not divide linear_num_value_heads=4"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types=3 entries, expected num_hidden_layers=4"),
+    ({"layer_types": ["mamba"] * 4}, "layer_types='mamba' is not a known layer type"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps=-1 must be > 0"),
+    ({"rope_parameters": {"rope_theta": "big"}}, "rope_theta=.big. has the wrong type"),
+    ({"intermediate_size": 0}, "intermediate_size=0 must be > 0"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_config_errors_name_the_field_and_value(change, message):
+    raw = {**DENSE, **change}
+    with pytest.raises(R.UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        R.config_from_dict({k: v for k, v in raw.items() if v is not None})
+
+
+def test_missing_config_field():
+    with pytest.raises(R.UserError, match="required field 'head_dim' is missing"):
+        R.config_from_dict({k: v for k, v in DENSE.items() if k != "head_dim"})
+
+
+def test_bf16_upcast_is_exact(tmp_path):
+    """bf16 -> fp32 without torch must give torch's values bit for bit."""
+    x = torch.randn(64, 3).bfloat16()
+    save_torch({"x": x, "h": x.half()}, tmp_path / "t.safetensors")
+    loaded = R.read_safetensors(tmp_path / "t.safetensors")
+    np.testing.assert_array_equal(loaded["x"], x.float().numpy())
+    np.testing.assert_array_equal(loaded["h"], x.half().float().numpy())
+
+
+def test_tied_checkpoint_with_or_without_lm_head(tmp_path):
+    model = build("odd")
+    assert model.config.tie_word_embeddings
+    model.save_pretrained(tmp_path / "m")
+    cfg, params = R.load_model(tmp_path / "m")
+    assert params["lm_head"] is params["embed_tokens"]
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    assert R.load_model(tmp_path / "m")[1]["lm_head"] is not None
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    build("dense").save_pretrained(tmp_path, max_shard_size="30KB")
+    return tmp_path
+
+
+def test_shard_index_mismatches_are_errors(sharded):
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    name, shard = next(iter(sorted(index["weight_map"].items())))
+    other = next(s for s in sorted(set(index["weight_map"].values())) if s != shard)
+    index["weight_map"][name] = other
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(R.UserError, match=f"tensor {name} is (not listed for this shard|listed but not in)"):
+        R.load_model(sharded)
+
+
+def test_missing_shard_is_an_error(sharded):
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (sharded / shard).unlink()
+    with pytest.raises(R.UserError, match=f"{shard}: cannot read safetensors"):
+        R.load_model(sharded)
+
+
+def test_unsupported_dtype_is_an_error(tmp_path):
+    save_file({"x": np.zeros(3, np.int8)}, tmp_path / "t.safetensors")
+    with pytest.raises(R.UserError, match="tensor x has dtype I8"):
+        R.read_safetensors(tmp_path / "t.safetensors")
+
+
+def test_incomplete_per_expert_tensors_are_an_error(tmp_path):
+    shutil.copytree(ROOT / "weights" / "tiny-moe-per-expert-mtp", tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["mtp.layers.0.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, weights)
+    with pytest.raises(R.UserError, match="tensor mtp.layers.0.mlp.experts.2.up_proj.weight is missing"):
+        R.load_model(tmp_path / "m")
+
+
+def test_no_weights_file(tmp_path):
+    shutil.copy(ROOT / "weights" / "tiny-dense" / "config.json", tmp_path)
+    with pytest.raises(R.UserError, match="no model.safetensors or model.safetensors.index.json"):
+        R.load_model(tmp_path)
