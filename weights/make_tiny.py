@@ -63,27 +63,30 @@ def byte_level_tokenizer():
     return tokenizer
 
 
-def random_tensor(name, shape, rng):
-    """Weights spread around their init: N(0, 1/fan_in) matrices, norm offsets near 0, A and dt_bias spread wide."""
+def random_tensor(name, shape, rng, dtype=np.float64):
+    """Weights spread around their init: N(0, 1/fan_in) matrices, norm offsets near 0, A and dt_bias spread wide.
+    (float32 draws halve the time and memory of big benchmark checkpoints; the committed ones use float64 draws.)"""
+    def normal(mean, std):
+        return mean + std * rng.standard_normal(shape, dtype=dtype)
     if name.endswith("A_log"):
         return np.log(rng.uniform(0.5, 8.0, shape))
     if name.endswith("dt_bias"):
-        return rng.normal(0.0, 1.0, shape)
+        return normal(0.0, 1.0)
     if name.endswith("linear_attn.norm.weight"):
-        return 1 + rng.normal(0.0, 0.2, shape)
+        return normal(1.0, 0.2)
     if len(shape) == 1:  # zero-centred RMSNorm offsets
-        return rng.normal(0.0, 0.2, shape)
+        return normal(0.0, 0.2)
     if name.endswith("embed_tokens.weight"):
-        return rng.normal(0.0, 1.0, shape)
-    return rng.normal(0.0, shape[-1] ** -0.5, shape)
+        return normal(0.0, 1.0)
+    return normal(0.0, shape[-1] ** -0.5)
 
 
-def checkpoint_tensors(name, cfg, options):
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
+def checkpoint_tensors(cfg, seed, options, dtype=np.float64):
+    rng = np.random.default_rng(seed)
     shapes = reference.checkpoint_shapes(cfg, with_mtp=options.get("mtp", False))
     if cfg.tie_word_embeddings:
         del shapes["lm_head.weight"]
-    tensors = {n: random_tensor(n, shape, rng).astype(np.float32) for n, shape in shapes.items()}
+    tensors = {n: random_tensor(n, shape, rng, dtype).astype(np.float32) for n, shape in shapes.items()}
     if options.get("per_expert"):
         for fused in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
             prefix, F = fused[:-len("gate_up_proj")], cfg.moe_intermediate_size
@@ -98,19 +101,27 @@ def checkpoint_tensors(name, cfg, options):
     return {n: np.ascontiguousarray(t) for n, t in tensors.items()}
 
 
-def write_checkpoint(name, out_dir):
-    changes, options = CHECKPOINTS[name]
+def write_random_checkpoint(out_dir, changes, seed, options=None, dtype=np.float64):
+    """A random checkpoint of BASE updated with `changes`, in the Hugging Face layout, with the byte tokenizer."""
+    options = options or {}
     raw = {k: v for k, v in {**BASE, **changes}.items() if v is not None}
     cfg = reference.config_from_dict(raw)
     if options.get("multimodal"):
         text = {k: v for k, v in raw.items() if k not in ("architectures", "tie_word_embeddings", "torch_dtype")}
         raw = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
                "text_config": text, "tie_word_embeddings": raw["tie_word_embeddings"], "torch_dtype": "float32"}
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}, indent=2) + "\n")
-    save_file(checkpoint_tensors(name, cfg, options), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(checkpoint_tensors(cfg, seed, options, dtype), str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     byte_level_tokenizer().save(str(out_dir / "tokenizer.json"))
+
+
+def write_checkpoint(name, out_dir):
+    changes, options = CHECKPOINTS[name]
+    write_random_checkpoint(out_dir, changes, zlib.crc32(name.encode()), options)
 
 
 def digest(folder):

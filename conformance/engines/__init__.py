@@ -1,0 +1,109 @@
+"""Engine adapters: one small class per engine, registered by name, declaring the features it supports.
+
+An engine that can only "load a checkpoint directory, run token ids -> logits, continue with more tokens" implements
+load, prefill and decode and declares {"prefill", "decode", "greedy"} plus the checkpoint features it handles; every
+other case is SKIP with the reason recorded in expectations/<engine>.json. INTERPRETING.md has the full contract.
+
+Arrays cross the interface as NumPy: token ids int64 (T,), logits float32 (T, V). `state` and `model` are whatever
+the engine likes; the runner only passes them back. Sampling settings are a dict {temperature, top_k, top_p}.
+"""
+
+import importlib
+import re
+from pathlib import Path
+
+import numpy as np
+
+ENGINES = {}
+
+
+class UnknownEngine(LookupError):
+    pass
+
+
+def register_engine(name):
+    def register(cls):
+        cls.name = name
+        ENGINES[name] = cls
+        return cls
+    return register
+
+
+def get_engine(name):
+    """The engine registered as `name`, importing conformance.engines.<name> on first use (so torch loads only when
+    the transformers engine is asked for)."""
+    if name not in ENGINES and re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        try:
+            importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    if name not in ENGINES:
+        shipped = {p.stem for p in Path(__file__).parent.glob("*.py") if p.stem != "__init__"}
+        raise UnknownEngine(f"no engine {name!r}; known: {', '.join(sorted(shipped | set(ENGINES)))} "
+                            f"(an adapter is conformance/engines/<name>.py with @register_engine)")
+    return ENGINES[name]()
+
+
+class Engine:
+    """Subclass, set `features`, implement the methods the declared features need:
+
+        feature                          methods
+        prefill                          load, prefill
+        decode / extend                  decode (one token / several tokens after a non-empty state)
+        greedy                           greedy (the default here drives prefill + decode + argmax)
+        state_export                     export_state
+        rms_norm ... moe_layer           run_op
+        sampling                         sample
+        speculative, rollback:*          verify, commit
+        accept:greedy, accept:sampling   accept
+    """
+    name = "?"
+    features = frozenset()
+
+    def load(self, checkpoint_dir):
+        """Checkpoint directory (config.json + safetensors, Hugging Face layout) -> model handle."""
+        raise NotImplementedError
+
+    def prefill(self, model, tokens):
+        """Token ids (T,) from an empty state -> (logits (T, V), state)."""
+        raise NotImplementedError
+
+    def decode(self, model, state, tokens):
+        """Continue `state` with token ids (T,) -> (logits (T, V), new state). May consume `state`: the runner never
+        uses a state again after passing it here."""
+        raise NotImplementedError
+
+    def export_state(self, model, state):
+        """The state as arrays named as in INTERPRETING.md (state.layers.{i}.S, ...). Must not change `state`."""
+        raise NotImplementedError
+
+    def greedy(self, model, prompt, n):
+        """n greedy tokens after the prompt (no stop at EOS) -> int64 (n,)."""
+        logits, state = self.prefill(model, prompt)
+        tokens = [int(np.argmax(logits[-1]))]
+        while len(tokens) < n:
+            logits, state = self.decode(model, state, np.array(tokens[-1:], dtype=np.int64))
+            tokens.append(int(np.argmax(logits[-1])))
+        return np.array(tokens, dtype=np.int64)
+
+    def run_op(self, kind, inputs, attrs):
+        """A primitive or layer case: inputs and attrs as in the manifest -> {output name: array}."""
+        raise NotImplementedError
+
+    def sample(self, logits, sampling, uniforms):
+        """Logits (N, V), uniforms (N,) -> (probabilities (N, V), token ids (N,))."""
+        raise NotImplementedError
+
+    def verify(self, model, state, tokens, rollback):
+        """One pass over [last committed token, K drafts], keeping what `rollback` needs -> (logits (K+1, V), pending)."""
+        raise NotImplementedError
+
+    def commit(self, model, pending, n):
+        """Keep the first n verified positions -> state."""
+        raise NotImplementedError
+
+    def accept(self, draft, q, logits, sampling, uniforms):
+        """Drafts (K,), draft distributions q (K, V) or None, verify logits (K+1, V), uniforms (K+1,) or None ->
+        (number of accepted drafts, the target's next token)."""
+        raise NotImplementedError

@@ -1,0 +1,132 @@
+"""The reference adapter: reference.py behind the Engine interface (the suite must pass against its own generator)."""
+
+import numpy as np
+
+import reference as R
+from conformance.engines import Engine, register_engine
+from conformance.format import FEATURES
+
+
+def state_tensors(state):
+    """A reference State as the suite names it: state.layers.{i}.{S,conv} (DeltaNet), .{k,v} (attention), state.length."""
+    tensors = {"state.length": np.array([state.length], dtype=np.int64)}
+    for i, layer in enumerate(state.layers):
+        for field, value in layer._asdict().items():
+            tensors[f"state.layers.{i}.{field}"] = value.astype(np.float32)
+    return tensors
+
+
+def sampling_of(settings):
+    return R.Sampling(settings["temperature"], settings["top_k"], settings["top_p"])
+
+
+def layer_params(inputs, prefix):
+    """Weights stored under checkpoint names -> the nested dict reference.py layers take."""
+    return R.nest({"model." + n[len(prefix):]: a for n, a in inputs.items() if n.startswith(prefix)})
+
+
+def layer_config(attrs, hidden_size, **fields):
+    """A Config carrying the attrs a layer reads; the rest are filler that the layer does not use."""
+    base = dict(model_type="qwen3_5_text", vocab_size=1, hidden_size=hidden_size, num_hidden_layers=1,
+                layer_types=("linear_attention",), num_attention_heads=1, num_key_value_heads=1, head_dim=2,
+                linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
+                linear_conv_kernel_dim=2, rms_norm_eps=1e-6, rope_theta=1.0, partial_rotary_factor=1.0,
+                max_position_embeddings=1, tie_word_embeddings=True, intermediate_size=1)
+    return R.Config(**{**base, **{k: v for k, v in attrs.items() if k in base}, **fields})
+
+
+def deltanet_layer(inputs, attrs):
+    cfg = layer_config(attrs, inputs["x"].shape[-1])
+    state = R.DeltaState(inputs["state.conv"], inputs["state.S"])
+    y, state, _ = R.gated_deltanet(inputs["x"], state, cfg, **layer_params(inputs, attrs["prefix"])["linear_attn"])
+    return {"y": y, "state.conv": state.conv, "state.S": state.S}
+
+
+def attention_layer(inputs, attrs):
+    cfg = layer_config(attrs, inputs["x"].shape[-1], layer_types=("full_attention",))
+    state = R.AttnState(inputs["state.k"], inputs["state.v"])
+    y, state = R.gated_attention(inputs["x"], state, inputs["positions"], cfg,
+                                 **layer_params(inputs, attrs["prefix"])["self_attn"])
+    return {"y": y, "state.k": state.k, "state.v": state.v}
+
+
+def mlp_layer(inputs, attrs):
+    return {"y": R.mlp(inputs["x"], **layer_params(inputs, attrs["prefix"])["mlp"])}
+
+
+def moe_layer(inputs, attrs):
+    cfg = layer_config(attrs, inputs["x"].shape[-1], model_type="qwen3_5_moe_text", intermediate_size=0,
+                       **{k: attrs[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                  "shared_expert_intermediate_size")})
+    return {"y": R.sparse_moe(inputs["x"], cfg, **layer_params(inputs, attrs["prefix"])["mlp"])}
+
+
+def gated_delta_rule(inputs, attrs):
+    rule = R.gated_delta_chunked if attrs["form"] == "chunked" else R.gated_delta_recurrent
+    o, S, _ = rule(*(inputs[n] for n in ("q", "k", "v", "g", "beta", "initial_state")))
+    return {"o": o, "final_state": S}
+
+
+OPS = {
+    "rms_norm": lambda i, a: {"y": R.rms_norm(i["x"], i["weight"], a["eps"])},
+    "rms_norm_gated": lambda i, a: {"y": R.rms_norm_gated(i["x"], i["z"], i["weight"], a["eps"])},
+    "l2norm": lambda i, a: {"y": R.l2norm(i["x"], a["eps"])},
+    "rope": lambda i, a: {"y": R.rope(i["x"], i["positions"], a["rope_theta"],
+                                      int(i["x"].shape[-1] * a["partial_rotary_factor"]))},
+    "causal_conv1d": lambda i, a: dict(zip(("y", "window"), R.causal_conv1d(i["x"], i["window"], i["weight"]))),
+    "gated_delta_rule": gated_delta_rule,
+    "deltanet_layer": deltanet_layer,
+    "attention_layer": attention_layer,
+    "mlp_layer": mlp_layer,
+    "moe_layer": moe_layer,
+}
+
+
+class Pending:
+    """What a verify pass leaves for commit: the states around it, and the kept states or tapes of its strategy."""
+
+    def __init__(self, before, after, tapes, rollback):
+        self.before, self.after, self.tapes, self.rollback = before, after, tapes, rollback
+        self.kept = R.keep_per_position(before, tapes) if rollback == "per-position" else None
+
+
+@register_engine("reference")
+class Reference(Engine):
+    features = frozenset(FEATURES)
+
+    def load(self, checkpoint_dir):
+        return R.load_model(checkpoint_dir)
+
+    def prefill(self, model, tokens):
+        return self.decode(model, R.empty_state(model[0]), tokens)
+
+    def decode(self, model, state, tokens):
+        cfg, params = model
+        logits, _, state, _ = R.forward(params, cfg, tokens, state)
+        return logits, state
+
+    def export_state(self, model, state):
+        return state_tensors(state)
+
+    def run_op(self, kind, inputs, attrs):
+        return OPS[kind](inputs, attrs)
+
+    def sample(self, logits, sampling, uniforms):
+        p = R.probabilities(logits, sampling_of(sampling))
+        return p, np.array([R.sample(row, u) for row, u in zip(p, uniforms)], dtype=np.int64)
+
+    def verify(self, model, state, tokens, rollback):
+        cfg, params = model
+        logits, _, after, tapes = R.forward(params, cfg, tokens, state)
+        return logits, Pending(state, after, tapes, rollback)
+
+    def commit(self, model, pending, n):
+        if pending.rollback == "per-position":
+            return R.commit_per_position(pending.before, pending.after, pending.kept, n)
+        return R.commit_replay(pending.before, pending.after, pending.tapes, n)
+
+    def accept(self, draft, q, logits, sampling, uniforms):
+        sampling = sampling_of(sampling)
+        if sampling.temperature == 0:
+            return R.accept_greedy(list(draft), logits)
+        return R.accept_speculative(list(draft), q, R.probabilities(logits, sampling), uniforms)

@@ -1,0 +1,171 @@
+"""The on-disk format of a case, written and read in this one place (INTERPRETING.md describes it for other languages).
+
+    cases/<name>/case.json             the manifest: suite version, kind, spec anchor, features, attrs, checkpoint,
+                                       per-output tolerances, sha256 of the two data files
+    cases/<name>/inputs.safetensors    inputs; layer cases also carry the layer's weights under their checkpoint names
+    cases/<name>/expected.safetensors  expected outputs (float32 or int64)
+
+Everything written is a pure function of the case, so regenerating gives byte-identical files.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import safetensors.numpy
+
+SUITE_VERSION = 1          # bump on any change to the format or to what a case means (INTERPRETING.md)
+REGENERATE = "python -m conformance generate"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent         # checkpoint paths in manifests are relative to the repository root
+CASES_DIR = HERE / "cases"
+MANIFEST, INPUTS, EXPECTED = "case.json", "inputs.safetensors", "expected.safetensors"
+TOLERANCES = json.loads((HERE / "tolerances.json").read_text())
+
+# Every feature a case may require. An engine declares the ones it supports; a case needing any other is SKIP.
+FEATURES = {
+    # primitives and the gated delta rule (Engine.run_op)
+    "rms_norm": "zero-centred RMSNorm, scale (1 + w)",
+    "rms_norm_gated": "DeltaNet output norm: plain weight, then SiLU(z) gate",
+    "l2norm": "x / sqrt(sum x^2 + eps)",
+    "rope": "NeoX-style partial rotary embedding",
+    "causal_conv1d": "depthwise causal conv with a carried window of W-1 inputs",
+    "gated_delta_rule": "the gated delta rule over T tokens from an initial state",
+    # one layer on given inputs and weights (Engine.run_op)
+    "deltanet_layer": "Gated DeltaNet token mixer with conv window and recurrent state",
+    "attention_layer": "gated full attention with a KV cache",
+    "mlp_layer": "dense SwiGLU feed-forward",
+    "moe_layer": "routed experts plus gated shared expert",
+    # whole model (Engine.load / prefill / decode / greedy / export_state)
+    "prefill": "logits of every position of a prompt from an empty state",
+    "decode": "continue a state with one token",
+    "extend": "continue a non-empty state with several tokens in one call",
+    "greedy": "greedy continuation of a prompt",
+    "state_export": "expose the state: DeltaNet S and conv window, attention K/V (outputs named state.*)",
+    # sampling with supplied uniforms (Engine.sample)
+    "sampling": "temperature / top-k / top-p probabilities and inverse-CDF draws from given uniforms",
+    # speculative decoding (Engine.verify / commit / accept)
+    "speculative": "verify K drafts in one pass, then commit the first n positions",
+    "rollback:per-position": "commit by keeping every verified position's state",
+    "rollback:replay": "commit by replaying the kept steps from the pre-verify state",
+    "accept:greedy": "accept the longest draft prefix equal to the target argmax",
+    "accept:sampling": "speculative sampling (Leviathan et al.) with given uniforms",
+    # checkpoint properties beyond the default model
+    "moe": "qwen3_5_moe: every FFN is a routed MoE",
+    "untied_embeddings": "lm_head.weight separate from embed_tokens",
+    "gva_ratio_3": "3 DeltaNet value heads per key head",
+    "unequal_head_dims": "DeltaNet key and value head dims differ",
+    "conv_kernel_3": "linear_conv_kernel_dim = 3",
+    "partial_rotary_0.5": "RoPE on half of each head",
+    "multimodal_layout": "Qwen3_5ForConditionalGeneration files: text_config, model.language_model. prefix",
+    "per_expert_weights": "unfused experts.{e}.{gate,up,down}_proj tensors",
+    "mtp_weights": "checkpoint also holds mtp.* tensors, which a plain forward ignores",
+}
+
+
+class GoldenError(Exception):
+    """A case on disk is unusable: the message names the file and the command that rebuilds it."""
+
+    def __init__(self, path, problem):
+        super().__init__(f"{path}: {problem}; regenerate the goldens with `{REGENERATE}`")
+
+
+class Output(NamedTuple):
+    tolerance: str               # a key of tolerances.json
+    value: np.ndarray
+    requires: str | None = None  # a feature without which this output is not compared (e.g. state_export)
+    ties: dict | None = None     # greedy tokens: {step: [token, other token]} where the top-2 logits are within tolerance
+
+
+class Case(NamedTuple):
+    name: str
+    kind: str                    # how the runner drives the engine (INTERPRETING.md, "Kinds")
+    spec: str                    # the reference.py function(s) it specifies
+    description: str
+    features: tuple
+    attrs: dict
+    inputs: dict                 # name -> array
+    outputs: dict                # name -> Output
+    checkpoint: str | None = None  # directory name under weights/
+
+
+def sha256_file(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def checkpoint_dir(name):
+    return ROOT / "weights" / name
+
+
+def checkpoint_sha256(name):
+    """One digest for a checkpoint directory: sha256 of the lines "<file name> <sha256 of file>\\n", sorted by name."""
+    files = sorted(p for p in checkpoint_dir(name).iterdir() if p.is_file())
+    return hashlib.sha256("".join(f"{p.name} {sha256_file(p)}\n" for p in files).encode()).hexdigest()
+
+
+def manifest(case, file_digests):
+    outputs = {}
+    for name, out in sorted(case.outputs.items()):
+        entry = {"tolerance": out.tolerance, **{k: v for k, v in TOLERANCES[out.tolerance].items() if k != "why"}}
+        if out.requires:
+            entry["requires"] = out.requires
+        if out.ties:
+            entry["ties"] = {str(step): tokens for step, tokens in sorted(out.ties.items())}
+        outputs[name] = entry
+    checkpoint = None if case.checkpoint is None else {
+        "name": case.checkpoint, "path": f"weights/{case.checkpoint}", "sha256": checkpoint_sha256(case.checkpoint)}
+    return {"suite_version": SUITE_VERSION, "name": case.name, "kind": case.kind, "spec": case.spec,
+            "description": case.description, "features": list(case.features), "attrs": case.attrs,
+            "checkpoint": checkpoint, "outputs": outputs, "files": file_digests}
+
+
+def write_case(cases_dir, case):
+    unknown = [f for f in case.features if f not in FEATURES]
+    if unknown:
+        raise ValueError(f"case {case.name}: features {unknown} are not in format.FEATURES")
+    folder = Path(cases_dir) / case.name
+    folder.mkdir(parents=True)
+    digests = {}
+    for file, tensors in ((INPUTS, case.inputs), (EXPECTED, {n: o.value for n, o in case.outputs.items()})):
+        data = safetensors.numpy.save({n: np.ascontiguousarray(a) for n, a in tensors.items()})
+        (folder / file).write_bytes(data)
+        digests[file] = hashlib.sha256(data).hexdigest()
+    (folder / MANIFEST).write_text(json.dumps(manifest(case, digests), indent=1, sort_keys=True) + "\n")
+
+
+def case_dirs(cases_dir=CASES_DIR):
+    cases_dir = Path(cases_dir)
+    if not cases_dir.is_dir():
+        raise GoldenError(cases_dir, "no cases folder")
+    return sorted(p for p in cases_dir.iterdir() if p.is_dir())
+
+
+def read_manifest(folder):
+    """case.json, checked: suite version, data files present and matching their sha256, checkpoint unchanged."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise GoldenError(path, "missing")
+    try:
+        meta = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GoldenError(path, f"not JSON ({e})") from None
+    if meta.get("suite_version") != SUITE_VERSION:
+        raise GoldenError(path, f"suite_version {meta.get('suite_version')!r}, this runner reads {SUITE_VERSION}")
+    for file, digest in meta["files"].items():
+        data_path = Path(folder) / file
+        if not data_path.is_file():
+            raise GoldenError(data_path, "missing")
+        if sha256_file(data_path) != digest:
+            raise GoldenError(data_path, "sha256 differs from case.json (corrupted or hand-edited)")
+    checkpoint = meta.get("checkpoint")
+    if checkpoint and not checkpoint_dir(checkpoint["name"]).is_dir():
+        raise GoldenError(ROOT / checkpoint["path"], f"checkpoint named by {path} is missing")
+    if checkpoint and checkpoint_sha256(checkpoint["name"]) != checkpoint["sha256"]:
+        raise GoldenError(ROOT / checkpoint["path"], f"checkpoint changed since {path} was generated")
+    return meta
+
+
+def read_tensors(folder, file):
+    return safetensors.numpy.load_file(str(Path(folder) / file))

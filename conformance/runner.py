@@ -1,0 +1,252 @@
+"""Run the cases against one engine: drive it as each case's kind says, compare outputs within the declared
+tolerances, weigh the results against expectations/<engine>.json, print a table, optionally write a JSON report."""
+
+import fnmatch
+import json
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import safetensors.numpy
+
+from conformance.engines import get_engine
+from conformance.format import (CASES_DIR, EXPECTED, FEATURES, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs,
+                                read_manifest, read_tensors)
+
+OUT_DIR = HERE / "_out"           # actual outputs of failing cases, for inspection
+SHOWN_MISMATCHES = 5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Driving an engine through one case. Each returns {output name: array}.
+
+def sampling_settings(attrs):
+    return {k: attrs[k] for k in ("temperature", "top_k", "top_p")}
+
+
+def drive_op(engine, meta, inputs, model):
+    return engine.run_op(meta["kind"], inputs, meta["attrs"])
+
+
+def drive_forward(engine, meta, inputs, model):
+    chunks, tokens = meta["attrs"]["chunks"], inputs["tokens"]
+    logits, state = engine.prefill(model, tokens[:chunks[0]])
+    parts, start = [logits], chunks[0]
+    for size in chunks[1:]:
+        logits, state = engine.decode(model, state, tokens[start:start + size])
+        parts.append(logits)
+        start += size
+    actual = {"logits": np.concatenate(parts)}
+    if "state_export" in engine.features:
+        actual.update(engine.export_state(model, state))
+    return actual
+
+
+def drive_greedy(engine, meta, inputs, model):
+    return {"tokens": engine.greedy(model, inputs["prompt"], meta["attrs"]["n"])}
+
+
+def drive_sampling(engine, meta, inputs, model):
+    p, tokens = engine.sample(inputs["logits"], sampling_settings(meta["attrs"]), inputs["uniforms"])
+    return {"probabilities": p, "tokens": tokens}
+
+
+def drive_speculative(engine, meta, inputs, model):
+    """Prefill, verify [last + drafts], accept, commit accepted + 1 positions, then decode the new token."""
+    attrs, tokens = meta["attrs"], inputs["verify_tokens"]
+    _, state = engine.prefill(model, inputs["prompt"])
+    logits, pending = engine.verify(model, state, tokens, attrs["rollback"])
+    accepted, token = engine.accept(tokens[1:], inputs.get("q"), logits, sampling_settings(attrs),
+                                    inputs.get("uniforms"))
+    state = engine.commit(model, pending, accepted + 1)
+    actual = {"verify_logits": logits, "accepted": np.array([accepted]),
+              "committed": np.append(tokens[1:accepted + 1], token)}
+    if "state_export" in engine.features:
+        actual.update(engine.export_state(model, state))
+    actual["next_logits"] = engine.decode(model, state, np.array([token], dtype=np.int64))[0]
+    return actual
+
+
+DRIVERS = {"forward": drive_forward, "greedy": drive_greedy, "sampling": drive_sampling,
+           "speculative": drive_speculative}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Comparing.
+
+class Comparison(NamedTuple):
+    ok: bool
+    max_abs: float | None          # float outputs only
+    rel: float | None              # max abs error / max |expected|
+    lines: tuple                   # why it failed, or a note on how it passed
+
+
+def compare_tokens(actual, expected, ties):
+    """Exact, except that at a listed near-tie step the other token is also right (and the paths part there)."""
+    for step, (a, e) in enumerate(zip(actual.tolist(), expected.tolist())):
+        if a == e:
+            continue
+        if a in ties.get(str(step), ()):
+            return Comparison(True, None, None, (f"took the other near-tie token at step {step}; later steps not compared",))
+        return Comparison(False, None, None, (f"first mismatch at index {step}: expected {e}, actual {a}",
+                                              f"expected {expected.tolist()}", f"actual   {actual.tolist()}"))
+    return Comparison(True, None, None, ())
+
+
+def compare(spec, actual, expected):
+    if actual is None:
+        return Comparison(False, None, None, ("the engine did not return this output",))
+    actual = np.asarray(actual)
+    if actual.shape != expected.shape:
+        return Comparison(False, None, None, (f"shape {actual.shape}, expected {expected.shape}",))
+    if spec["tolerance"] == "exact":
+        return compare_tokens(actual, expected, spec.get("ties", {}))
+    err = np.abs(actual.astype(np.float64) - expected)
+    allowed = spec["atol"] + spec["rtol"] * np.abs(expected.astype(np.float64))
+    bad = ~(err <= allowed)                                   # NaN counts as bad
+    max_abs = float(err.max(initial=0))
+    rel = max_abs / max(float(np.abs(expected).max(initial=0)), 1e-30)
+    lines = [f"{int(bad.sum())} of {bad.size} elements outside atol={spec['atol']:g} + rtol={spec['rtol']:g} * |expected|"]
+    for index in list(zip(*np.nonzero(bad)))[:SHOWN_MISMATCHES]:
+        lines.append(f"  [{', '.join(map(str, index))}]  expected {expected[index]: .7g}  actual {actual[index]: .7g}  "
+                     f"diff {err[index]:.3g}  allowed {allowed[index]:.3g}")
+    return Comparison(not bad.any(), max_abs, rel, tuple(lines) if bad.any() else ())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Expectations and results.
+
+def load_expectations(engine_name):
+    """expectations/<engine>.json: {"unsupported": {feature: {reason, evidence}}, "known_failures": {case glob:
+    {expected: FAIL or ERROR, reason, evidence}}}. No file means: everything declared passes."""
+    path = HERE / "expectations" / f"{engine_name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+class Result(NamedTuple):
+    name: str
+    status: str                    # PASS, FAIL, ERROR, SKIP
+    unexpected: bool
+    note: str
+    max_abs: float | None
+    rel: float | None
+    details: tuple
+    outputs: dict
+
+
+def skip_result(name, missing, unsupported, engine_name):
+    unexplained = [f for f in missing if f not in unsupported]
+    if unexplained:
+        return Result(name, "SKIP", True, f"lacks {', '.join(unexplained)}, with no reason recorded in "
+                      f"expectations/{engine_name}.json", None, None, (), {})
+    reasons = dict.fromkeys(unsupported[f]["reason"] for f in missing)
+    return Result(name, "SKIP", False, f"lacks {', '.join(missing)}: {' / '.join(reasons)}", None, None, (), {})
+
+
+def run_case(engine, folder, meta, unsupported, known_failures, load_model):
+    name = meta["name"]
+    missing = [f for f in meta["features"] if f not in engine.features]
+    if missing:
+        return skip_result(name, missing, unsupported, engine.name)
+    inputs, expected = read_tensors(folder, INPUTS), read_tensors(folder, EXPECTED)
+    try:
+        model = load_model(meta["checkpoint"]) if meta["checkpoint"] else None
+        actual = DRIVERS.get(meta["kind"], drive_op)(engine, meta, inputs, model)
+        compared = {out: compare(spec, actual.get(out), expected[out]) for out, spec in meta["outputs"].items()
+                    if spec.get("requires") in (None, *engine.features)}
+    except Exception as e:  # an adapter or engine crash is a result of the case, not of the run
+        status, compared = "ERROR", {}
+        details = (f"{type(e).__name__}: {e}", *traceback.format_exc().splitlines()[-4:-1])
+    else:
+        status = "PASS" if all(c.ok for c in compared.values()) else "FAIL"
+        details = tuple(f"{out}: {line}" for out, c in compared.items() for line in c.lines if not c.ok)
+    skipped_outputs = sorted({spec["requires"] for spec in meta["outputs"].values()
+                              if spec.get("requires") and spec["requires"] not in engine.features})
+    notes = [f"{out}: {line}" for out, c in compared.items() if c.ok for line in c.lines]
+    notes += [f"outputs needing {f} not compared" for f in skipped_outputs]
+    known = next((v for pattern, v in known_failures.items() if fnmatch.fnmatchcase(name, pattern)), None)
+    if known:
+        unexpected = status != known["expected"]
+        notes.insert(0, f"expected {known['expected']}: {known['reason']}" if not unexpected else
+                     f"expected {known['expected']} ({known['reason']}) but got {status}: update the expectations")
+    else:
+        unexpected = status in ("FAIL", "ERROR")
+    floats = [c for c in compared.values() if c.max_abs is not None]
+    if status == "FAIL":
+        save_actual(engine.name, name, actual)
+    return Result(name, status, unexpected, "; ".join(notes),
+                  max((c.max_abs for c in floats), default=None), max((c.rel for c in floats), default=None), details,
+                  {out: c._asdict() for out, c in compared.items()})
+
+
+def save_actual(engine_name, case_name, actual):
+    folder = OUT_DIR / engine_name
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {n: np.ascontiguousarray(a) for n, a in actual.items() if isinstance(a, np.ndarray)}
+    safetensors.numpy.save_file(tensors, str(folder / f"{case_name}.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run.
+
+def fmt(x):
+    return "-" if x is None else f"{x:.2e}"
+
+
+def print_table(results, out):
+    rows = [("case", "status", "max abs err", "rel err", "note")]
+    rows += [(r.name, r.status + ("!" if r.unexpected else ""), fmt(r.max_abs), fmt(r.rel), r.note) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4], file=out)
+    for r in results:
+        if r.details:
+            print(f"\n{r.name}: {r.status}", file=out)
+            for line in r.details:
+                print(f"  {line}", file=out)
+
+
+def select_cases(cases_dir, pattern):
+    """Manifests of the cases whose name matches the regular expression; any unusable golden stops the run."""
+    return [(folder, read_manifest(folder)) for folder in case_dirs(cases_dir)
+            if not pattern or re.search(pattern, folder.name)]
+
+
+def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None):
+    """Returns (results, exit code): 1 when any result is unexpected. `expectations` defaults to the engine's file;
+    the table goes to `out` (stdout), progress lines to `progress` (stderr)."""
+    out, progress = out or sys.stdout, progress or sys.stderr
+    engine = get_engine(engine_name)
+    expectations = load_expectations(engine_name) if expectations is None else expectations
+    unsupported, known_failures = expectations.get("unsupported", {}), expectations.get("known_failures", {})
+    unknown = sorted(set(unsupported) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"expectations for {engine_name}: `unsupported` names unknown features {unknown}")
+    cases = select_cases(cases_dir, pattern)
+    models = {}
+
+    def load_model(checkpoint):
+        if checkpoint["name"] not in models:
+            models[checkpoint["name"]] = engine.load(ROOT / checkpoint["path"])
+        return models[checkpoint["name"]]
+
+    results = []
+    for i, (folder, meta) in enumerate(cases, 1):
+        results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model))
+        print(f"[{i}/{len(cases)}] {results[-1].status:<5} {meta['name']}", file=progress, flush=True)
+    print_table(results, out)
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "ERROR", "SKIP")}
+    unexpected = [r.name for r in results if r.unexpected]
+    print(f"\n{engine_name}: {len(results)} cases: " + ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
+          + (f"; {len(unexpected)} unexpected (marked !)" if unexpected else "; all as expected"), file=out)
+    if report:
+        Path(report).write_text(json.dumps({
+            "suite_version": SUITE_VERSION, "engine": engine_name, "features": sorted(engine.features),
+            "summary": {**counts, "unexpected": unexpected},
+            "cases": [{"name": r.name, "status": r.status, "unexpected": r.unexpected, "note": r.note,
+                       "max_abs_error": r.max_abs, "rel_error": r.rel, "details": list(r.details),
+                       "outputs": r.outputs} for r in results]}, indent=1) + "\n")
+    return results, 1 if unexpected else 0

@@ -1,0 +1,127 @@
+"""The conformance runner against the shipped engines, and against small adapters that show what it catches."""
+
+import numpy as np
+import pytest
+
+from conformance import runner
+from conformance.engines import Engine, register_engine
+from conformance.engines.reference import Reference
+from conformance.format import FEATURES, case_dirs, read_manifest
+
+
+def run_quietly(engine, capsys, **kwargs):
+    results, code = runner.run(engine, **kwargs)
+    return {r.name: r for r in results}, code, capsys.readouterr().out
+
+
+def test_reference_passes_its_own_goldens(capsys):
+    results, code, _ = run_quietly("reference", capsys)
+    assert code == 0
+    assert {r.status for r in results.values()} == {"PASS"}
+    assert len(results) == len(case_dirs())
+
+
+def test_transformers_has_no_unexpected_result(capsys, tmp_path):
+    results, code, out = run_quietly("transformers", capsys, report=tmp_path / "report.json")
+    assert code == 0, out
+    assert not [r for r in results.values() if r.unexpected]
+    skipped = {name for name, r in results.items() if r.status == "SKIP"}
+    assert skipped == {name for name in results if name.startswith("spec-")}
+    assert all("cannot roll back a Gated DeltaNet state" in results[n].note for n in skipped)
+    assert results["sampling-topp0.5-ties"].status == "FAIL"
+    assert "spec-default-greedy-accept2-replay" in (tmp_path / "report.json").read_text()
+
+
+@register_engine("test_minimal")
+class Minimal(Reference):
+    """What a llama.cpp-style engine offers: load a checkpoint, run tokens -> logits, continue with more tokens."""
+    features = frozenset({"prefill", "decode", "extend", "greedy", "moe", "untied_embeddings", "gva_ratio_3",
+                          "unequal_head_dims", "conv_kernel_3", "partial_rotary_0.5", "multimodal_layout",
+                          "per_expert_weights", "mtp_weights"})
+
+
+def test_a_prefill_decode_only_engine_fits_and_the_rest_is_skip_with_reasons(capsys):
+    reasons = {f: {"reason": f"no {f}"} for f in set(FEATURES) - Minimal.features}
+    results, code, out = run_quietly("test_minimal", capsys, expectations={"unsupported": reasons})
+    assert code == 0, out
+    ran = {n for n, r in results.items() if r.status == "PASS"}
+    assert ran == {n for n in results if n.startswith("model-")}
+    assert {r.status for n, r in results.items() if n not in ran} == {"SKIP"}
+    assert "outputs needing state_export not compared" in results["model-default-decode"].note
+
+
+def test_a_skip_without_a_recorded_reason_is_unexpected(capsys):
+    results, code, _ = run_quietly("test_minimal", capsys, pattern="^op-l2norm$", expectations={})
+    assert code == 1
+    assert results["op-l2norm"].unexpected and "no reason recorded" in results["op-l2norm"].note
+
+
+@register_engine("test_no_rollback")
+class NoRollback(Reference):
+    """Commits without rolling back: the DeltaNet state keeps every verified position (transformers#49036 style)."""
+
+    def commit(self, model, pending, n):
+        return pending.after
+
+
+def test_a_missing_rollback_fails_every_partial_accept_and_shows_numbers(capsys):
+    results, code, out = run_quietly("test_no_rollback", capsys, pattern="^spec-")
+    assert code == 1
+    failed = {n for n, r in results.items() if r.status == "FAIL"}
+    assert failed == {n for n in results if "accept4" not in n}
+    assert "expected" in out and "actual" in out and "allowed" in out
+    assert (runner.OUT_DIR / "test_no_rollback" / "spec-default-greedy-accept0-replay.safetensors").exists()
+
+
+@register_engine("test_flaky_top_p")
+class FlakyTopP(Reference):
+    """Gets one known-failing case right: an expectation that no longer holds must be reported."""
+
+
+def test_an_expected_failure_that_passes_is_unexpected(capsys):
+    known = {"known_failures": {"sampling-topp*": {"expected": "FAIL", "reason": "ties"}}}
+    results, code, _ = run_quietly("test_flaky_top_p", capsys, pattern="^sampling-topp", expectations=known)
+    assert code == 1
+    assert all(r.unexpected and "update the expectations" in r.note for r in results.values())
+
+
+@register_engine("test_crash")
+class Crash(Engine):
+    features = frozenset({"l2norm"})
+
+    def run_op(self, kind, inputs, attrs):
+        raise RuntimeError("kernel not compiled")
+
+
+def test_an_adapter_crash_is_an_error_result_not_a_crashed_run(capsys):
+    results, code, out = run_quietly("test_crash", capsys, pattern="^op-l2norm$")
+    assert code == 1 and results["op-l2norm"].status == "ERROR"
+    assert "kernel not compiled" in out
+
+
+@pytest.mark.parametrize("folder", case_dirs(), ids=lambda p: p.name)
+def test_every_case_names_known_features_and_tolerances(folder):
+    meta = read_manifest(folder)
+    assert set(meta["features"]) <= set(FEATURES)
+    assert all(spec["tolerance"] in ("exact", "logits", "state", "activations", "probabilities")
+               for spec in meta["outputs"].values())
+
+
+def test_greedy_near_ties_list_both_tokens():
+    tied = [read_manifest(f) for f in case_dirs() if read_manifest(f)["kind"] == "greedy"
+            and "ties" in read_manifest(f)["outputs"]["tokens"]]
+    assert tied, "the tiny checkpoints have near-tie greedy steps; the generator should list them"
+    for meta in tied:
+        for step, tokens in meta["outputs"]["tokens"]["ties"].items():
+            assert len(set(tokens)) == 2 and int(step) < meta["attrs"]["n"]
+
+
+def test_compare_reports_the_first_mismatches_side_by_side():
+    spec = {"tolerance": "logits", "atol": 0.02, "rtol": 0}
+    expected = np.zeros((2, 3), np.float32)
+    actual = expected.copy()
+    actual[1, 2] = 0.5
+    result = runner.compare(spec, actual, expected)
+    assert not result.ok and result.max_abs == 0.5
+    assert "[1, 2]" in result.lines[1] and "actual  0.5" in result.lines[1]
+    assert not runner.compare(spec, np.full((2, 3), np.nan, np.float32), expected).ok
