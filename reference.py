@@ -736,12 +736,17 @@ def one_hot(tokens, V):  # (k,) -> (k, V)
 
 
 def prompt_lookup(context, k, max_ngram=3):
-    """The tokens that followed the latest earlier occurrence of the longest suffix of the context (<= max_ngram)."""
+    """Copy from the context: find the longest suffix (<= max_ngram tokens) that occurred before, and propose what
+    followed it: the latest occurrence followed by k tokens, else the occurrence followed by the most."""
     for n in range(min(max_ngram, len(context) - 1), 0, -1):
-        suffix = context[-n:]
+        suffix, best = context[-n:], []
         for start in range(len(context) - n - 1, -1, -1):
             if context[start:start + n] == suffix:
-                return context[start + n:start + n + k]
+                best = max(best, context[start + n:start + n + k], key=len)
+                if len(best) == k:
+                    break
+        if best:
+            return best
     return []
 
 

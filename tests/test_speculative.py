@@ -316,3 +316,17 @@ def test_rollback_memory_per_strategy():
     conv_bytes = 4 * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim
     assert sizes["per-position"] == 8 * linear_layers * (state_bytes + conv_bytes)
     assert sizes["replay"] < sizes["per-position"]
+
+
+def test_prompt_lookup_copies_what_followed_the_longest_suffix():
+    assert R.prompt_lookup([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]   # latest match with k tokens
+    assert R.prompt_lookup([5, 1, 2, 5, 1], 4) == [2, 5, 1]                         # the longest continuation
+    assert R.prompt_lookup([1, 2, 3], 2) == []
+
+
+def test_offline_ngram_table_drafts_the_most_frequent_phrase():
+    table = R.build_ngram_table([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 7, 7], [9, 1, 2, 3, 4, 5]], n=2, length=2)
+    assert table["table"]["2 3"] == [4, 5]
+    drafter = R.ngram_drafter(10, table)
+    tokens, q, _ = drafter.propose(None, [8, 2, 3], None, 4, R.Sampling(), None)   # no match in the context itself
+    assert tokens == [4, 5] and q.shape == (2, 10) and q[0, 4] == 1

@@ -1,0 +1,42 @@
+"""Random benchmark checkpoints, written on demand (never committed) into a cache folder.
+
+Shapes: `0.8b` is Qwen3.5-0.8B (../shared/notes/qwen35-architecture.md, section 1.2; fp32 about 3.2 GB), `30m` is
+a ~30M-parameter model (hidden 512, 8 layers, vocab 8192), `30m-draft` a small drafter with the same vocabulary.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from weights.make_tiny import write_random_checkpoint  # noqa: E402
+
+CACHE = Path(os.environ.get("QWEN35_BENCH_CACHE", "/tmp/qwen35-bench"))
+
+SHAPES = {
+    "0.8b": dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                 linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                 max_position_embeddings=262144, tie_word_embeddings=True, mtp_num_hidden_layers=1,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+    "30m": dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                linear_key_head_dim=64, linear_value_head_dim=64, max_position_embeddings=4096,
+                tie_word_embeddings=True, mtp_num_hidden_layers=1),
+    "30m-draft": dict(vocab_size=8192, hidden_size=128, num_hidden_layers=2, full_attention_interval=2,
+                      intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                      linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
+                      linear_value_head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True),
+}
+
+
+def checkpoint(name):
+    """Path of the random checkpoint `name`, written (with MTP weights, seed 0) if not cached yet."""
+    path = CACHE / name
+    if not (path / "model.safetensors").exists():
+        print(f"writing random checkpoint {name} to {path} ...", file=sys.stderr, flush=True)
+        write_random_checkpoint(path, SHAPES[name], seed=0, options={"mtp": "mtp_num_hidden_layers" in SHAPES[name]},
+                                dtype=np.float32)
+    return path
