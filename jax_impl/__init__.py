@@ -1,0 +1,19 @@
+"""The Qwen3.5 hybrid model and exact speculative decoding of reference.py, jit-compiled with JAX.
+
+    cfg, params = jax_impl.load("weights/default")
+    tokens, stats = jax_impl.generate(params, cfg, prompt_ids, 64, draft="ngram", draft_len=4)
+
+Engine verbs (the conformance adapter's): load; empty_state(cfg, capacity); prefill(params, cfg, tokens, state)
+-> logits, hidden, state, tapes; decode(params, cfg, token, state) -> logits, hidden, state (state donated);
+verify(params, cfg, tokens, state, rollback) -> logits, hidden, state after all, kept states or tapes;
+rollback(strategy, before, after, kept, n) -> the state after the first n verified positions.
+"""
+
+from .gated_delta import (conv_window, conv_windows, delta_states, gated_delta_chunked, gated_delta_recurrent,
+                          gated_delta_step, replay)
+from .model import (commit_per_position, commit_replay, decode, empty_state, forward, forward_hidden,
+                    keep_per_position, lm_head, prefill, rollback, verify)
+from .sharding import initialize_distributed, make_mesh
+from .spec_decode import (accept_greedy, accept_speculative, generate, generate_device, mtp_hidden, probabilities,
+                          prompt_lookup, sample)
+from .weights import load, to_jax

@@ -1,0 +1,112 @@
+"""The gated delta rule in JAX: one step, the per-token scan, the chunked (WY / UT) form, and the two rollback
+primitives (per-position states, tape replay). Same argument names, axis letters and einsum strings as
+reference.py; everything here is fp32 whatever the model dtype (the DeltaNet state is always fp32).
+
+Per value head h, with S of shape (Dk, Dv):
+    S_t = alpha_t S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - (alpha_t S_{t-1})^T k_t),   o_t = S_t^T q_t
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from reference import Tape
+
+f32 = jnp.float32
+
+
+def gva_heads(q, k, num_value_heads):  # (T, Hk, Dk) -> (T, Hv, Dk): consecutive value heads share a key head
+    r = num_value_heads // q.shape[1]
+    return jnp.repeat(q, r, axis=1) * f32(q.shape[-1] ** -0.5), jnp.repeat(k, r, axis=1)
+
+
+def gated_delta_step(S, q, k, v, g, beta):  # (Hv, Dk, Dv), (Hv, Dk), (Hv, Dk), (Hv, Dv), (Hv,), (Hv,)
+    """One token (q and k already per value head): decay, write the correction of what S predicts for k, read."""
+    S = jnp.exp(g)[:, None, None] * S                                   # (Hv, Dk, Dv)  alpha_t S_{t-1}
+    delta = beta[:, None] * (v - jnp.einsum("hkv,hk->hv", S, k))        # (Hv, Dv)
+    S = S + jnp.einsum("hk,hv->hkv", k, delta)                          # (Hv, Dk, Dv)
+    o = jnp.einsum("hkv,hk->hv", S, q)                                  # (Hv, Dv)  read after the update
+    return o, S, delta
+
+
+def gated_delta_recurrent(q, k, v, g, beta, initial_state):
+    """The per-token loop as a scan. (T, Hk, Dk) x2, (T, Hv, Dv), (T, Hv) x2, (Hv, Dk, Dv) -> (T, Hv, Dv), S, delta."""
+    q, k = gva_heads(q, k, v.shape[1])
+
+    def step(S, x):
+        o, S, delta = gated_delta_step(S, *x)
+        return S, (o, delta)
+    S, (o, delta) = lax.scan(step, initial_state, (q, k, v, g, beta))
+    return o, S, delta
+
+
+def solve_unit_lower(A, B):  # (Hv, C, C) strictly lower, (Hv, C, N) -> X (Hv, C, N) with (I + A) X = B
+    """Forward substitution, row by row. Not a LAPACK triangular solve: on XLA:CPU (jax 0.10.2) its custom call
+    intermittently deadlocks the runtime (seen in training steps and in the gradient through this scan)."""
+    def row(X, i):
+        return X.at[:, i].set(B[:, i] - jnp.einsum("hj,hjn->hn", A[:, i], X)), None
+    return lax.scan(row, jnp.zeros_like(B), jnp.arange(B.shape[1]))[0]
+
+
+def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
+    """The chunked form (see reference.gated_delta_chunked for the matrices), a scan over chunks of C tokens.
+    Chunks are min(chunk_size, T) long, so a verify pass of K+1 tokens is one chunk without padding."""
+    T, Hv = v.shape[:2]
+    q, k = gva_heads(q, k, Hv)
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    chunks = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
+    chunks = [x.reshape((-1, C) + x.shape[1:]).swapaxes(1, 2) for x in chunks]               # (N, Hv, C, ...)
+    lower = jnp.tril(jnp.ones((C, C), bool))                                                 # (C, C) i >= j
+    strictly_lower = jnp.tril(lower, -1)
+
+    def chunk(S, x):
+        Q, Kc, Vc, G, B = x
+        gamma = jnp.cumsum(G, axis=-1)                                                       # (Hv, C)
+        Gamma = jnp.exp(jnp.where(lower, gamma[:, :, None] - gamma[:, None, :], -jnp.inf))   # (Hv, C, C)
+        A = jnp.where(strictly_lower, jnp.einsum("hik,hjk->hij", B[..., None] * Kc, Kc) * Gamma, 0)
+        U = solve_unit_lower(A, B[..., None] * Vc)                                           # (Hv, C, Dv)
+        Wk = solve_unit_lower(A, (B * jnp.exp(gamma))[..., None] * Kc)                       # (Hv, C, Dk)
+        Delta = U - jnp.einsum("hik,hkv->hiv", Wk, S)                                        # (Hv, C, Dv)
+        O = (jnp.exp(gamma)[..., None] * jnp.einsum("hik,hkv->hiv", Q, S)
+             + jnp.einsum("hij,hjv->hiv", jnp.einsum("hik,hjk->hij", Q, Kc) * Gamma, Delta))  # (Hv, C, Dv)
+        decay_to_end = jnp.exp(gamma[:, -1:] - gamma)[..., None]                             # (Hv, C, 1)
+        S = jnp.exp(gamma[:, -1])[:, None, None] * S + jnp.einsum("hik,hiv->hkv", decay_to_end * Kc, Delta)
+        return S, (O.swapaxes(0, 1), Delta.swapaxes(0, 1))
+    S, (O, Delta) = lax.scan(chunk, initial_state, chunks)
+    return O.reshape((-1,) + O.shape[2:])[:T], S, Delta.reshape((-1,) + Delta.shape[2:])[:T]
+
+
+# Rollback primitives over a Tape (reference.Tape: qkv (T, C), k (T, Hk, Dk), g (T, Hv), delta (T, Hv, Dv)).
+
+def delta_states(S0, tape):  # (Hv, Dk, Dv), Tape of T steps -> (T, Hv, Dk, Dv)
+    """The state after each step, closed form: S_t = e^gamma_t S_0 + sum_{j<=t} e^(gamma_t - gamma_j) k_j delta_j^T."""
+    T, Hv = tape.g.shape
+    k = jnp.repeat(tape.k, Hv // tape.k.shape[1], axis=1)                                    # (T, Hv, Dk)
+    gamma = jnp.cumsum(tape.g, axis=0)                                                       # (T, Hv)
+    lower = jnp.tril(jnp.ones((T, T), bool))[..., None]
+    decay = jnp.exp(jnp.where(lower, gamma[:, None] - gamma[None, :], -jnp.inf))            # (T, T, Hv)
+    return jnp.exp(gamma)[..., None, None] * S0 + jnp.einsum("tjh,jhk,jhv->thkv", decay, k, tape.delta)
+
+
+def replay(S0, tape, n):  # (Hv, Dk, Dv), Tape of T steps, traced steps n <= T -> (Hv, Dk, Dv)
+    """Rebuild the state after n steps: decay and rank-1 updates only, a fixed-length scan masked by t < n."""
+    k = jnp.repeat(tape.k, tape.g.shape[1] // tape.k.shape[1], axis=1)                      # (T, Hv, Dk)
+
+    def step(S, x):
+        t, k_t, g_t, delta_t = x
+        updated = jnp.exp(g_t)[:, None, None] * S + jnp.einsum("hk,hv->hkv", k_t, delta_t)
+        return jnp.where(t < n, updated, S), None
+    return lax.scan(step, S0, (jnp.arange(len(k)), k, tape.g, tape.delta))[0]
+
+
+def conv_window(window, qkv, n):  # (W-1, C), (T, C), traced n -> (W-1, C): the conv window after n of the T steps
+    return lax.dynamic_slice_in_dim(jnp.concatenate([window, qkv]), n, window.shape[0])
+
+
+def conv_windows(window, qkv):  # (W-1, C), (T, C) -> (T, W-1, C): the window after each step
+    return jax.vmap(lambda n: conv_window(window, qkv, n))(jnp.arange(1, len(qkv) + 1))
+
+
+__all__ = ["Tape", "gva_heads", "gated_delta_step", "gated_delta_recurrent", "gated_delta_chunked", "delta_states",
+           "replay", "conv_window", "conv_windows"]

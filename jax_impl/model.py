@@ -1,0 +1,229 @@
+"""The Qwen3.5 hybrid model in JAX: pure functions over the weights pytree (reference.load_model's nested dict, as jax
+arrays) and an explicit state pytree (reference.State / DeltaState / AttnState with static shapes), plus the
+jit-compiled entry points prefill, decode, verify and rollback. Reads side by side with reference.py; the axis
+letters are its legend (T tokens, S cache slots, D hidden, ...).
+
+Differences from the reference, all forced by fixed shapes:
+  * AttnState.k / .v are preallocated (capacity, Hkv, Dh) buffers; State.length says how many slots are live.
+    Truncating a KV cache is setting the length: slots past it are never visible (causal mask by position) and
+    are overwritten by the next call.
+  * forward takes `valid`: only the first `valid` of the T tokens count (prompt padded to a bucket). The padding
+    gets beta = g = 0, which leaves the DeltaNet state unchanged, and the conv window is cut at `valid`.
+  * Activations take the weights' dtype (fp32 or bf16); the DeltaNet rule, its state and the logits stay fp32.
+  * 2-D weights come transposed, (in, out) (see weights.py), so the reference's `x @ W.T` reads `x @ W` here.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from reference import AttnState, DeltaState, State, Tape
+from .gated_delta import (conv_window, conv_windows, delta_states, gated_delta_chunked, gated_delta_step,
+                          gva_heads, replay)
+
+f32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Primitives (statistics in fp32, result in the input dtype)
+
+def rms_norm(x, weight, eps):  # (..., N) -> (..., N)
+    """Zero-centred RMSNorm: the checkpoint stores w, the scale is (1 + w)."""
+    x32 = x.astype(f32)
+    return (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * (1 + weight.astype(f32))).astype(x.dtype)
+
+
+def rms_norm_gated(x, z, weight, eps):  # (T, Hv, Dv) fp32, (T, Hv, Dv) -> (T, Hv, Dv) in z's dtype
+    """DeltaNet output norm: plain weight (no +1), normalise first, then gate with SiLU(z)."""
+    y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight.astype(f32)
+    return (y * jax.nn.silu(z.astype(f32))).astype(z.dtype)
+
+
+def l2norm(x, eps=1e-6):  # (..., N) -> (..., N)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rope(x, positions, theta, rotary_dim):  # (T, H, Dh), (T,) -> (T, H, Dh)
+    """NeoX-style partial RoPE: dims [0, R) rotate in pairs (i, i + R/2), dims [R, Dh) pass through."""
+    R = rotary_dim
+    inv_freq = f32(theta) ** -(jnp.arange(0, R, 2, dtype=f32) / f32(R))                       # (R/2,)
+    angles = positions.astype(f32)[:, None] * inv_freq                                          # (T, R/2)
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]                           # (T, 1, R)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    x_rot, x_pass = x[..., :R].astype(f32), x[..., R:]
+    rotated_half = jnp.concatenate([-x_rot[..., R // 2:], x_rot[..., :R // 2]], axis=-1)        # (T, H, R)
+    return jnp.concatenate([(x_rot * cos + rotated_half * sin).astype(x.dtype), x_pass], axis=-1)
+
+
+def causal_conv1d(x, window, weight, valid):  # (T, C), (W-1, C), (C, W) -> (T, C), (W-1, C)
+    """Depthwise causal conv, the last tap on the current token; the returned window ends at input `valid`."""
+    T, W = x.shape[0], weight.shape[1]
+    padded = jnp.concatenate([window, x])                                                       # (W-1+T, C)
+    taps = jnp.stack([padded[i:i + T] for i in range(W)], axis=-1)                              # (T, C, W)
+    return jnp.einsum("tcw,cw->tc", taps, weight), conv_window(window, x, valid)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State
+
+def empty_state(cfg, capacity, dtype=f32):
+    """Zero state with `capacity` attention slots; DeltaNet S is fp32, conv windows and KV in the model dtype."""
+    C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
+    Hv, Dk, Dv, Hkv, Dh = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                           cfg.num_key_value_heads, cfg.head_dim)
+    layers = tuple(DeltaState(jnp.zeros((W - 1, C), dtype), jnp.zeros((Hv, Dk, Dv), f32))
+                   if kind == "linear_attention" else
+                   AttnState(jnp.zeros((capacity, Hkv, Dh), dtype), jnp.zeros((capacity, Hkv, Dh), dtype))
+                   for kind in cfg.layer_types)
+    return State(layers, jnp.int32(0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers
+
+def gated_deltanet(x, state, valid, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log,
+                   norm, out_proj):  # (T, D) -> (T, D), DeltaState, Tape
+    T = x.shape[0]
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv = x @ in_proj_qkv                                                     # (T, C)
+    mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :], valid)       # (T, C), (W-1, C)
+    mixed = jax.nn.silu(mixed.astype(f32))
+    q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
+    k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
+    v = mixed[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)                              # (T, Hv, Dv)
+    live = (jnp.arange(T) < valid)[:, None]                                    # (T, 1)  padding writes nothing
+    beta = jnp.where(live, jax.nn.sigmoid((x @ in_proj_b).astype(f32)), 0)   # (T, Hv)  write strength
+    g = jnp.where(live, -jnp.exp(A_log.astype(f32)) * jax.nn.softplus((x @ in_proj_a).astype(f32)
+                                                                     + dt_bias.astype(f32)), 0)  # (T, Hv) log decay
+    if T == 1:                                                                 # decode: the one-step recurrence
+        q1, k1 = gva_heads(q, k, Hv)
+        o, S, delta = gated_delta_step(state.S, q1[0], k1[0], v[0], g[0], beta[0])
+        o, delta = o[None], delta[None]
+    else:                                                                      # prefill, verify: chunked
+        o, S, delta = gated_delta_chunked(q, k, v, g, beta, state.S)           # (T, Hv, Dv)
+    z = (x @ in_proj_z).reshape(T, Hv, Dv)                                   # (T, Hv, Dv)  output gate
+    y = rms_norm_gated(o, z, norm, cfg.rms_norm_eps).reshape(T, Hv * Dv)
+    return y @ out_proj, DeltaState(conv, S), Tape(qkv, k, g, delta)
+
+
+def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):  # (T, D) -> (T, D)
+    T, Hq, Hkv, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    query_gate = (x @ q_proj).reshape(T, Hq, 2 * Dh)           # per head: [query | gate]
+    q = rms_norm(query_gate[..., :Dh], q_norm, cfg.rms_norm_eps)  # (T, Hq, Dh)
+    gate = query_gate[..., Dh:].reshape(T, Hq * Dh)               # (T, Hq*Dh)
+    k = rms_norm((x @ k_proj).reshape(T, Hkv, Dh), k_norm, cfg.rms_norm_eps)  # (T, Hkv, Dh)
+    v = (x @ v_proj).reshape(T, Hkv, Dh)                        # (T, Hkv, Dh)
+    q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+    keys = lax.dynamic_update_slice_in_dim(state.k, k.astype(state.k.dtype), positions[0], 0)    # (S, Hkv, Dh)
+    values = lax.dynamic_update_slice_in_dim(state.v, v.astype(state.v.dtype), positions[0], 0)
+    q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
+    scores = jnp.einsum("tkgd,skd->kgts", q, keys, preferred_element_type=f32) * f32(Dh ** -0.5)  # (Hkv, G, T, S)
+    visible = jnp.arange(len(keys))[None, :] <= positions[:, None]              # (T, S) causal; hides stale slots
+    weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("kgts,skd->tkgd", weights.astype(values.dtype), values).reshape(T, Hq * Dh)  # (T, Hq*Dh)
+    return (out * jax.nn.sigmoid(gate)) @ o_proj, AttnState(keys, values)
+
+
+def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
+    return (jax.nn.silu(x @ gate_proj) * (x @ up_proj)) @ down_proj
+
+
+def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T, D) -> (T, D)
+    """Softmax router, top-k renormalised, plus a gated shared expert. Each token gathers only its k experts'
+    weights (e indexes the chosen ones), so a decode step reads k experts, not E."""
+    probs = jax.nn.softmax((x @ gate).astype(f32), axis=-1)                # (T, E)
+    top_weights, top = lax.top_k(probs, cfg.num_experts_per_tok)             # (T, k); ties go to the lower index
+    top_weights = top_weights / top_weights.sum(axis=-1, keepdims=True)
+    F = cfg.moe_intermediate_size
+    gate_up = jnp.einsum("td,tefd->tef", x, experts["gate_up_proj"][top])    # (T, k, 2F)  gate rows first
+    y = jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]                     # (T, k, F)
+    out = jnp.einsum("te,tef,tedf->td", top_weights.astype(x.dtype), y, experts["down_proj"][top])
+    return out + jax.nn.sigmoid(x @ shared_expert_gate) * mlp(x, **shared_expert)
+
+
+def decoder_layer(x, kind, layer, state, positions, valid, cfg):  # (T, D) -> (T, D), layer state, Tape or None
+    h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
+    if kind == "linear_attention":
+        y, state, tape = gated_deltanet(h, state, valid, cfg, **layer["linear_attn"])
+    else:
+        (y, state), tape = gated_attention(h, state, positions, cfg, **layer["self_attn"]), None
+    x = x + y
+    h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
+    return x + (sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])), state, tape
+
+
+def lm_head(params, hidden):  # (..., D) -> (..., V) fp32
+    return jnp.matmul(hidden, params["lm_head"], preferred_element_type=f32)
+
+
+def forward_hidden(params, cfg, tokens, state, valid=None):
+    """(T,) token ids after `state` -> final-normed hidden (T, D), new State, per-layer Tapes (None for attention)."""
+    valid = tokens.shape[0] if valid is None else valid
+    positions = state.length + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    x = params["embed_tokens"][tokens]                                          # (T, D)
+    layer_states, tapes = [], []
+    for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
+        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, valid, cfg)
+        layer_states.append(layer_state)
+        tapes.append(tape)
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps), State(tuple(layer_states), state.length + valid), tapes
+
+
+def forward(params, cfg, tokens, state, valid=None):
+    """(T,) token ids after `state` -> logits (T, V), hidden (T, D), new State, Tapes: reference.forward's contract."""
+    hidden, state, tapes = forward_hidden(params, cfg, tokens, state, valid)
+    return lm_head(params, hidden), hidden, state, tapes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rollback. verify keeps what the chosen strategy needs; commit keeps the first n verified positions on device.
+
+def keep_per_position(before, tapes):
+    """Per-position strategy, at verify time: every DeltaNet layer's (S, conv window) after each verified position."""
+    return [None if tape is None else (delta_states(layer.S, tape), conv_windows(layer.conv, tape.qkv))
+            for layer, tape in zip(before.layers, tapes)]
+
+
+def commit_per_position(before, after, kept, n):
+    """Keep the first n verified positions: an index into the kept states; attention just moves the length."""
+    layers = tuple(a if k is None else DeltaState(k[1][n - 1], k[0][n - 1]) for a, k in zip(after.layers, kept))
+    return State(layers, before.length + n)
+
+
+def commit_replay(before, after, tapes, n):
+    """Keep the first n verified positions: replay the tape from the pre-verify state, skipped on full accept."""
+    def rebuilt():
+        layers = tuple(a if t is None else DeltaState(conv_window(b.conv, t.qkv, n), replay(b.S, t, n))
+                       for b, a, t in zip(before.layers, after.layers, tapes))
+        return State(layers, before.length + n)
+    verified = after.length - before.length
+    return lax.cond(n == verified, lambda: after, rebuilt)
+
+
+def verify_forward(params, cfg, tokens, state, rollback):
+    """One target pass over [last committed token, K drafts] -> logits (K+1, V), hidden (K+1, D), the state after
+    all K+1, and what `rollback` needs: the K+1 kept states ("per-position") or the tapes ("replay")."""
+    logits, hidden, after, tapes = forward(params, cfg, tokens, state)
+    return logits, hidden, after, keep_per_position(state, tapes) if rollback == "per-position" else tapes
+
+
+def commit(rollback, before, after, kept, n):
+    return (commit_per_position if rollback == "per-position" else commit_replay)(before, after, kept, n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Jit-compiled entry points (the conformance adapter's verbs). cfg and strategy names are static.
+
+prefill = jax.jit(forward, static_argnames="cfg")
+
+
+@partial(jax.jit, static_argnames="cfg", donate_argnames="state")
+def decode(params, cfg, token, state):  # () token -> logits (V,), hidden (D,), State; the old state is donated
+    hidden, state, _ = forward_hidden(params, cfg, token[None], state)
+    return lm_head(params, hidden[0]), hidden[0], state
+
+
+verify = jax.jit(verify_forward, static_argnames=("cfg", "rollback"))
+rollback = jax.jit(commit, static_argnames="rollback")

@@ -1,0 +1,36 @@
+"""Weights: reference.load_model's nested dict (checkpoint names, strictly checked, fp32 numpy) -> jax arrays in
+the chosen dtype, optionally sharded over a mesh.
+
+Every 2-D matrix but the embedding is stored transposed, (in, out), and the model computes `x @ W` where the
+reference writes `x @ W.T`: with (out, in) weights XLA:CPU transposes each matrix in memory on every call (the
+decode step reads every weight once, so that tripled its memory traffic). A tied lm_head becomes its own (D, V)
+copy of the embedding for the same reason.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import reference
+from .sharding import param_sharding, put
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def to_jax(params, dtype="float32", mesh=None):
+    """Numpy weights -> jax arrays of `dtype` ("float32" for conformance, "bfloat16" for GPU/TPU)."""
+    if dtype not in DTYPES:
+        raise reference.UserError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+
+    def convert(path, x):
+        if x.ndim == 2 and path[-1].key != "embed_tokens":
+            x = x.T
+        sharding = None if mesh is None else param_sharding(mesh, path, x.shape)
+        return put(np.ascontiguousarray(x, jnp.dtype(DTYPES[dtype])), sharding)
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def load(model_dir, dtype="float32", mesh=None):
+    """Checkpoint directory -> (reference.Config, weights pytree)."""
+    cfg, params = reference.load_model(model_dir)
+    return cfg, to_jax(params, dtype, mesh)
