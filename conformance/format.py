@@ -99,10 +99,14 @@ def checkpoint_dir(name):
     return ROOT / "weights" / name
 
 
-def checkpoint_sha256(name):
-    """One digest for a checkpoint directory: sha256 of the lines "<file name> <sha256 of file>\\n", sorted by name."""
-    files = sorted(p for p in checkpoint_dir(name).iterdir() if p.is_file())
+def directory_sha256(folder):
+    """One digest for a model directory: sha256 of the lines "<file name> <sha256 of file>\\n", sorted by name."""
+    files = sorted(p for p in Path(folder).iterdir() if p.is_file())
     return hashlib.sha256("".join(f"{p.name} {sha256_file(p)}\n" for p in files).encode()).hexdigest()
+
+
+def checkpoint_sha256(name):
+    return directory_sha256(checkpoint_dir(name))
 
 
 def manifest(case, file_digests):

@@ -107,3 +107,11 @@ class Engine:
         """Drafts (K,), draft distributions q (K, V) or None, verify logits (K+1, V), uniforms (K+1,) or None ->
         (number of accepted drafts, the target's next token)."""
         raise NotImplementedError
+
+
+def inverse_cdf_draw(p, uniforms):
+    """The suite's draw (INTERPRETING.md section 4): per row, the first token whose cumulative probability exceeds
+    u * total. For engines whose own draw takes no supplied uniform."""
+    cdf = np.cumsum(p, axis=-1, dtype=np.float64)
+    return np.array([min(np.searchsorted(c, u * c[-1], side="right"), len(c) - 1) for c, u in zip(cdf, uniforms)],
+                    dtype=np.int64)

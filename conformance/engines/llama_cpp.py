@@ -1,0 +1,274 @@
+"""llama.cpp through llama-cpp-python (CPU, float32 GGUF, float32 KV cache, no flash attention) as a peer engine.
+
+Loading converts the checkpoint with llama.cpp's own HF -> GGUF converter. It ships in the llama-cpp-python sdist, not
+in the wheel: LLAMA_CPP_CONVERTER may name the sdist's vendor/llama.cpp folder, otherwise the sdist of the installed
+version is fetched once with `pip download` into conformance/_out/cache/. GGUFs are cached there too, by checkpoint
+digest and llama-cpp-python version (delete them after changing the conversion). The converter runs on an amended
+copy of the checkpoint (`gguf_source`) with one patch (`convert`); neither touches a tensor, and
+expectations/llama_cpp.json lists both under adapter_workarounds.
+
+Cases are driven with token ids through libllama's C API (the bindings' thin wrappers; the high-level Llama class
+cannot set n_rs_seq): one context per checkpoint, holding one sequence, with n_rs_seq recurrent-state snapshots so
+that a speculative commit rolls back with llama_memory_seq_rm, as llama-server does. expectations/llama_cpp.json says
+what is unsupported and why.
+"""
+
+import ctypes
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+from llama_cpp import _internals as internals
+
+from conformance.engines import Engine, inverse_cdf_draw, register_engine
+from conformance.format import HERE, ROOT, directory_sha256
+
+CACHE = HERE / "_out" / "cache"
+CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
+N_CTX = 512                # positions per context; no case needs 100
+MAX_DRAFT = 8              # recurrent-state snapshots kept per sequence: a verify may roll back this many positions
+SEED = 0                   # only fixes llama.cpp's dist sampler; the case's uniforms make the draws
+GGML_LOG_LEVEL_ERROR = 4   # ggml.h enum ggml_log_level: DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+libllama_errors = []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion.
+
+def converter_dir():
+    """The sdist's vendor/llama.cpp folder (convert_hf_to_gguf.py, conversion/, gguf-py/) for the installed version."""
+    if os.environ.get(CONVERTER_ENV):
+        return Path(os.environ[CONVERTER_ENV])
+    version = llama_cpp.__version__
+    folder = CACHE / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not (folder / "convert_hf_to_gguf.py").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                            "-d", tmp, f"llama-cpp-python=={version}"], check=True)
+            with tarfile.open(next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))) as sdist:
+                wanted = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+                members = [m for m in sdist.getmembers() if m.name.startswith(wanted) and
+                           m.name[len(wanted):].split("/")[0] in ("convert_hf_to_gguf.py", "conversion", "gguf-py")]
+                sdist.extractall(CACHE, members=members, filter="data")
+    return folder
+
+
+def with_one_merge(tokenizer):
+    """tokenizer.json with one BPE merge added under the next free id. llama.cpp refuses a BPE vocab without merges
+    ("cannot find tokenizer merges in model file") and the tiny checkpoints' byte-level tokenizer has none; the ids
+    the cases use keep their meaning (the suite drives engines with token ids only)."""
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[:2]
+    vocab[first + second] = 1 + max([*vocab.values(), *(t["id"] for t in tokenizer["added_tokens"])])
+    tokenizer["model"]["merges"] = [[first, second]]
+    return tokenizer
+
+
+def with_mrope_section(config):
+    """config.json with an explicit rope_parameters.mrope_section. Without one the converter writes Qwen3.5-9B's
+    [11, 11, 10] (32 rotary pairs), and for fewer pairs llama.cpp's first decode aborts the process:
+    GGML_ASSERT(sect_dims <= ne0) in ggml-cpu/ops.cpp. The same interleaved layout for this head: it gives text tokens
+    (equal positions in every section) plain RoPE, as the reference computes."""
+    text = config.get("text_config", config)
+    rope = text["rope_parameters"]
+    pairs = int(text["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+    rope.setdefault("mrope_section", [len(range(section, pairs, 3)) for section in range(3)])
+    return config
+
+
+def has_mtp(config):
+    return bool(config.get("text_config", config).get("mtp_num_hidden_layers"))
+
+
+def gguf_source(checkpoint_dir, folder):
+    """A copy of the checkpoint for the converter: weights linked, tokenizer.json and config.json amended."""
+    edits = {"tokenizer.json": with_one_merge, "config.json": with_mrope_section}
+    for file in checkpoint_dir.iterdir():
+        if file.name in edits:
+            (folder / file.name).write_text(json.dumps(edits[file.name](json.loads(file.read_text()))))
+        else:
+            (folder / file.name).symlink_to(file.resolve())
+
+
+def gguf_file(checkpoint_dir):
+    """The checkpoint as a float32 GGUF, converted once and cached by digest."""
+    checkpoint_dir = Path(checkpoint_dir)
+    out = CACHE / "gguf" / f"{directory_sha256(checkpoint_dir)}-{llama_cpp.__version__}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    converter = converter_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_source(checkpoint_dir, Path(tmp))
+        # the converter asserts that an MTP export finds MTP layers: checkpoints without them need --no-mtp
+        mtp = [] if has_mtp(json.loads((checkpoint_dir / "config.json").read_text())) else ["--no-mtp"]
+        partial = out.with_suffix(".partial")
+        # in a subprocess: the converter puts its own gguf-py and `conversion` package on sys.path
+        done = subprocess.run([sys.executable, "-m", __name__, str(converter), tmp, str(partial), *mtp],
+                              cwd=ROOT, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed on {checkpoint_dir}:\n{done.stderr[-3000:]}")
+    partial.rename(out)
+    return out
+
+
+def convert(converter, source, out, *options):
+    """convert_hf_to_gguf.py SOURCE --outtype f32 --outfile OUT, with one patch: get_vocab_base_pre names the
+    pre-tokenizer by hashing the token ids of a probe text and accepts only released tokenizers' hashes, which a
+    home-made tokenizer never matches; name Qwen3.5's directly (tokens and merges still come from tokenizer.json)."""
+    sys.path[:0] = [converter, str(Path(converter) / "gguf-py")]
+    import conversion.base
+    conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+    script = str(Path(converter) / "convert_hf_to_gguf.py")
+    sys.argv = [script, source, "--outtype", "f32", "--outfile", out, *options]
+    runpy.run_path(script, run_name="__main__")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine.
+
+@llama_cpp.llama_log_callback
+def keep_errors(level, text, user_data):
+    """libllama's log: keep the errors, which say why a load failed, and drop the rest. (The bindings' own callback
+    maps ggml's levels by an older enum, INFO 1 ... ERROR 3, so it prints warnings as errors and drops errors.)"""
+    if level == GGML_LOG_LEVEL_ERROR:
+        libllama_errors.append(text.decode(errors="replace").strip())
+
+
+class Session:
+    """One llama.cpp context holding one sequence. A state is its length: valid until the next call changes it."""
+
+    def __init__(self, gguf):
+        libllama_errors.clear()
+        try:
+            self.model = internals.LlamaModel(path_model=str(gguf), params=llama_cpp.llama_model_default_params(),
+                                              verbose=False)
+        except ValueError as e:
+            raise ValueError(f"{e}: {' / '.join(libllama_errors)}") from None
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = N_CTX
+        params.n_seq_max = 1
+        params.n_rs_seq = MAX_DRAFT
+        params.n_threads = params.n_threads_batch = min(4, os.cpu_count() or 1)
+        params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.context = internals.LlamaContext(model=self.model, params=params, verbose=False)
+        if llama_cpp.llama_n_rs_seq(self.context.ctx) != MAX_DRAFT:
+            raise RuntimeError("llama.cpp keeps no recurrent-state snapshots for this model (n_rs_seq clamped to 0)")
+        self.batch = internals.LlamaBatch(n_tokens=N_CTX, embd=0, n_seq_max=1, verbose=False)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model.model))
+        self.length = 0
+
+    def run(self, state, tokens):
+        """Append token ids to the sequence -> logits of every one of them (T, V)."""
+        if state != self.length:
+            raise RuntimeError(f"state of length {state} is stale: the context now holds {self.length} tokens")
+        self.batch.set_batch([int(t) for t in tokens], n_past=self.length, logits_all=True)
+        self.context.decode(self.batch)
+        self.length += len(tokens)
+        logits = np.ctypeslib.as_array(self.context.get_logits(), shape=(len(tokens), self.n_vocab))
+        return logits.astype(np.float32, copy=True), self.length
+
+
+def apply_sampler(sampler, row):
+    """llama.cpp's sampler chain over one logits row -> (surviving ids, their probabilities as left by the chain,
+    the selected id)."""
+    candidates = internals.LlamaTokenDataArray(n_vocab=len(row))
+    candidates.copy_logits(np.asarray(row, dtype=np.float32))
+    llama_cpp.llama_sampler_apply(sampler.sampler, ctypes.byref(candidates.candidates))
+    kept = candidates.candidates_data[:candidates.candidates.size]
+    return kept.id.copy(), kept.p.copy(), int(kept.id[candidates.candidates.selected])
+
+
+def greedy_sampler():
+    sampler = internals.LlamaSampler()
+    sampler.add_greedy()
+    return sampler
+
+
+def bindings_sampler(sampling):
+    """The chain Llama.sample / Llama.generate build for these settings (llama.py _init_sampler): top-k, top-p, then
+    temperature, then the dist draw (typical_p = 1 and min_p = 0 are no-ops)."""
+    sampler = internals.LlamaSampler()
+    sampler.add_top_k(sampling["top_k"])
+    sampler.add_top_p(sampling["top_p"], 1)
+    sampler.add_temp(sampling["temperature"])
+    sampler.add_dist(SEED)
+    return sampler
+
+
+@register_engine("llama_cpp")
+class LlamaCpp(Engine):
+    features = frozenset({"prefill", "decode", "extend", "greedy", "sampling", "speculative", "rollback:per-position",
+                          "accept:greedy", "moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims",
+                          "conv_kernel_3", "partial_rotary_0.5", "multimodal_layout", "per_expert_weights",
+                          "mtp_weights"})
+
+    def __init__(self):
+        llama_cpp.llama_log_set(keep_errors, ctypes.c_void_p(0))
+
+    def load(self, checkpoint_dir):
+        return Session(gguf_file(checkpoint_dir))
+
+    def prefill(self, session, tokens):
+        llama_cpp.llama_memory_clear(session.context.memory, True)
+        session.length = 0
+        return session.run(0, tokens)
+
+    def decode(self, session, state, tokens):
+        return session.run(state, tokens)
+
+    def greedy(self, session, prompt, n):
+        """llama.cpp's greedy sampler on each step's logits, decoding one token at a time."""
+        sampler = greedy_sampler()
+        logits, state = self.prefill(session, prompt)
+        tokens = [apply_sampler(sampler, logits[-1])[2]]
+        while len(tokens) < n:
+            logits, state = session.run(state, tokens[-1:])
+            tokens.append(apply_sampler(sampler, logits[-1])[2])
+        return np.array(tokens, dtype=np.int64)
+
+    def sample(self, logits, sampling, uniforms):
+        """Probabilities as the bindings' sampler chain leaves them; the draw is the suite's inverse CDF with the
+        case's uniforms, since llama.cpp's dist sampler draws from its own generator."""
+        p = np.zeros(logits.shape, dtype=np.float32)
+        for row, out in zip(logits, p):
+            if sampling["temperature"] == 0:
+                out[apply_sampler(greedy_sampler(), row)[2]] = 1
+            else:
+                ids, probabilities, _ = apply_sampler(bindings_sampler(sampling), row)
+                out[ids] = probabilities
+        return p, inverse_cdf_draw(p, uniforms)
+
+    def verify(self, session, state, tokens, rollback):
+        logits, _ = session.run(state, tokens)
+        return logits, state
+
+    def commit(self, session, start, n):
+        """Drop the verified positions after the first n; the recurrent layers return to their snapshot of position
+        start + n - 1 (kept because n_rs_seq > 0), the attention layers drop those KV cells."""
+        if not llama_cpp.llama_memory_seq_rm(session.context.memory, 0, start + n, -1):
+            raise RuntimeError(f"llama_memory_seq_rm refused to roll back to position {start + n}")
+        session.length = start + n
+        return session.length
+
+    def accept(self, draft, q, logits, sampling, uniforms):
+        """common_sampler_sample_and_accept_n (common/sampling.cpp) with the greedy sampler: sample each verified
+        row, accept while the sample equals the draft."""
+        sampler = greedy_sampler()
+        for i, token in enumerate(draft):
+            target = apply_sampler(sampler, logits[i])[2]
+            if target != token:
+                return i, target
+        return len(draft), apply_sampler(sampler, logits[len(draft)])[2]
+
+
+if __name__ == "__main__":
+    convert(*sys.argv[1:])
