@@ -2,9 +2,9 @@
 the measured section is a pure function of bench/costmodel.py, so it is the same on every run and machine."""
 
 import json
-import sys
 
 from bench import costmodel as M
+from bench.plots import pyplot
 
 ACCEPTANCE = (0.6, 0.8, 0.9)
 CONTEXT = 4096
@@ -304,12 +304,8 @@ ratio and verify/decode over-predicted.
 
 def plot_all(out, rows=None):
     """The PNGs, or [] with a note on stderr when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return []
     plt.rcParams.update({"font.size": 8})
     made = [speedup_plot(plt, out / "speedup_vs_acceptance.png"), verify_plot(plt, out / "verify_cost_vs_K.png"),

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import reference as R  # noqa: E402
 from bench.checkpoints import checkpoint  # noqa: E402
+from bench.plots import pyplot  # noqa: E402
 
 # A prompt that invites copying: code to repeat with an edit.
 PROMPT = ("Repeat this code, renaming total to result:\n"
@@ -81,12 +82,8 @@ def bench_model(name, new_tokens):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

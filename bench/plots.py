@@ -1,0 +1,15 @@
+"""matplotlib is an optional extra (`pip install -e ".[plots]"`): the one place that imports it."""
+
+import sys
+
+
+def pyplot():
+    """matplotlib.pyplot on the headless Agg backend, or None, with a note on stderr, when it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
