@@ -8,7 +8,6 @@ same distributions as the reference, not its numpy stream.
 """
 
 import time
-from functools import partial
 from typing import Callable, NamedTuple
 
 import jax
