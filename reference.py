@@ -926,6 +926,10 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
         draft = [int(t) for t in draft]
         if len(draft) > k or any(not 0 <= t < cfg.vocab_size for t in draft):
             raise UserError(f"drafter {drafter.name} proposed {draft} for k={k}: ids must be in [0, {cfg.vocab_size})")
+        if sampling.temperature and (np.shape(q) != (len(draft), cfg.vocab_size) or
+                                     any(q[i, t] <= 0 for i, t in enumerate(draft))):
+            raise UserError(f"drafter {drafter.name}: q must be ({len(draft)}, {cfg.vocab_size}) distributions giving "
+                            f"each proposed token a probability > 0")
         lap("draft")
         before = state
         logits, hidden, after, tapes = forward(params, cfg, tokens[-1:] + draft, state)     # verify

@@ -40,3 +40,8 @@ def checkpoint(name):
         write_random_checkpoint(path, SHAPES[name], seed=0, options={"mtp": "mtp_num_hidden_layers" in SHAPES[name]},
                                 dtype=np.float32)
     return path
+
+
+def copy_prompt(length, vocab, seed=0):
+    """A prompt that invites copying: one random 16-token phrase, repeated to `length` tokens."""
+    return [int(t) for t in np.resize(np.random.default_rng(seed).integers(0, vocab, 16), length)]

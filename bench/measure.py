@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import reference as R  # noqa: E402
 from bench import costmodel as M  # noqa: E402
-from bench.checkpoints import CACHE, checkpoint  # noqa: E402
+from bench.checkpoints import CACHE, checkpoint, copy_prompt  # noqa: E402
 from weights.make_tiny import write_random_checkpoint  # noqa: E402
 
 ENGINES = ("reference", "jax")
@@ -84,11 +84,6 @@ def decode_cpu_seconds(generate, new_tokens, repeats):
     """CPU seconds of the decode loop: generate(new_tokens) less generate(1), which is the prefill and the first
     token (the engines' own phase timers count wall seconds)."""
     return cpu_seconds(lambda: generate(new_tokens), repeats) - cpu_seconds(lambda: generate(1), repeats)
-
-
-def copy_prompt(vocab):
-    """A prompt that invites copying: one random 16-token phrase, repeated."""
-    return [int(t) for t in np.resize(np.random.default_rng(0).integers(0, vocab, 16), PROMPT_LEN)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,7 +147,7 @@ def machine(library, calibration, pure):
 def measure_reference(path, repeats, checkpoint, new_tokens):
     cfg, params = R.load_model(path)
     cfg = replace(cfg, eos_token_id=())                    # random weights: never stop early
-    prompt = copy_prompt(cfg.vocab_size)
+    prompt = copy_prompt(PROMPT_LEN, cfg.vocab_size)
     _, _, state, _ = R.forward(params, cfg, prompt, R.empty_state(cfg))
     drafts = prompt[:max(VERIFY_KS) + 1]
     out = {"decode": cpu_seconds(lambda: R.forward(params, cfg, drafts[:1], state), repeats),
@@ -202,7 +197,7 @@ def measure_jax(path, repeats, checkpoint, new_tokens):
     import jax_impl
     cfg, params = jax_impl.load(path)
     cfg = replace(cfg, eos_token_id=())
-    prompt = copy_prompt(cfg.vocab_size)
+    prompt = copy_prompt(PROMPT_LEN, cfg.vocab_size)
     state = jax_impl.empty_state(cfg, PROMPT_LEN + max(VERIFY_KS) + 1 + 256)   # room for 200 chained decodes
     _, _, state, _ = jax_impl.prefill(params, cfg, np.asarray(prompt, np.int32), state)
     drafts = np.asarray(prompt[:max(VERIFY_KS) + 1], np.int32)

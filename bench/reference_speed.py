@@ -11,69 +11,37 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import reference as R  # noqa: E402
-from bench.checkpoints import checkpoint  # noqa: E402
+from bench.checkpoints import checkpoint, copy_prompt  # noqa: E402
+from bench.engines import ENGINES  # noqa: E402
+
+COLUMNS = ("reference", "transformers")
 
 
-def peak_rss_gib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def run_reference(model_dir, prompt, new_tokens):
-    cfg, params = R.load_model(model_dir)
-    cfg = R.replace(cfg, eos_token_id=())
-    tokens, stats = R.generate(params, cfg, prompt, new_tokens, R.Sampling(), np.random.default_rng(0))
-    return tokens, stats["seconds"]["prefill"], stats["seconds"]["decode"]
-
-
-def run_transformers(model_dir, prompt, new_tokens):
-    import torch
-    from transformers import AutoModelForCausalLM
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        start = time.perf_counter()
-        out = model(torch.tensor([prompt]), use_cache=True)
-        tokens = [int(out.logits[0, -1].argmax())]
-        prefill_done = time.perf_counter()
-        while len(tokens) < new_tokens:
-            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-            tokens.append(int(out.logits[0, -1].argmax()))
-        end = time.perf_counter()
-    return tokens, prefill_done - start, end - prefill_done
-
-
-ENGINES = {"reference": run_reference, "transformers": run_transformers}
+def child(engine, model_dir, prompt_len, new_tokens):
+    """Run in a fresh process: one engine -> {prefill_s, decode_tok_s, peak_rss_gib, tokens}."""
+    prompt = copy_prompt(prompt_len, min(R.load_config(model_dir).vocab_size, 256))
+    run = ENGINES[engine](model_dir, prompt, new_tokens)
+    return {"prefill_s": run.prefill_s, "decode_tok_s": run.decode_tok_s, "tokens": run.tokens,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def measure(engine, model_dir, prompt_len, new_tokens):
-    """One engine in a fresh process -> {prefill_s, decode_s, decode_tok_s, peak_rss_gib, tokens}."""
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from bench.reference_speed import child; "
             f"print(json.dumps(child({engine!r}, {str(model_dir)!r}, {prompt_len}, {new_tokens})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def child(engine, model_dir, prompt_len, new_tokens):
-    vocab = R.load_config(model_dir).vocab_size
-    prompt = np.random.default_rng(0).integers(0, min(vocab, 256), prompt_len).tolist()
-    tokens, prefill_s, decode_s = ENGINES[engine](model_dir, prompt, new_tokens)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_tok_s": (len(tokens) - 1) / decode_s,
-            "peak_rss_gib": peak_rss_gib(), "tokens": tokens}
-
-
 def compare(label, model_dir, prompt_len, new_tokens):
     print(f"\n{label}: prompt {prompt_len}, {new_tokens} new tokens", flush=True)
     print(f"  {'engine':<14}{'prefill s':>10}{'decode tok/s':>14}{'peak RSS GiB':>14}")
     results = {}
-    for engine in ENGINES:
+    for engine in COLUMNS:
         print(f"  {engine:<14}...", end="\r", flush=True)
         r = results[engine] = measure(engine, model_dir, prompt_len, new_tokens)
         print(f"  {engine:<14}{r['prefill_s']:>10.3f}{r['decode_tok_s']:>14.1f}{r['peak_rss_gib']:>14.2f}", flush=True)

@@ -330,3 +330,10 @@ def test_offline_ngram_table_drafts_the_most_frequent_phrase():
     drafter = R.ngram_drafter(10, table)
     tokens, q, _ = drafter.propose(None, [8, 2, 3], None, 4, R.Sampling(), None)   # no match in the context itself
     assert tokens == [4, 5] and q.shape == (2, 10) and q[0, 4] == 1
+
+
+def test_drafter_q_must_cover_its_own_proposals_when_sampling():
+    cfg, params = model("default")
+    zero_q = R.Drafter("zero-q", None, lambda s, c, h, k, sampling, rng: ([3], np.zeros((1, cfg.vocab_size)), s))
+    with pytest.raises(R.UserError, match="drafter zero-q: q must be"):
+        R.generate_speculative(params, cfg, PROMPT, 8, R.Sampling(1.0), np.random.default_rng(0), zero_q, 2)
