@@ -17,7 +17,7 @@ import reference as R
 from conformance.engines.reference import state_tensors
 from conformance.format import (MANIFEST, TOLERANCES, Case, Output, checkpoint_dir, write_case)
 
-CHECKPOINTS = ("default", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
+CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
                "tiny-draft")
 TEXT = ("Once upon a time, a hybrid model kept three layers of Gated DeltaNet for every layer of attention, "
         "and it decoded one token after another until the story was done.")
@@ -192,7 +192,7 @@ MOE_ATTRS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "sha
 
 
 def layer_cases():
-    for checkpoint, layer, T in (("default", 0, 1), ("default", 0, 70), ("tiny-odd", 1, 9)):
+    for checkpoint, layer, T in (("tiny-mtp", 0, 1), ("tiny-mtp", 0, 70), ("tiny-odd", 1, 9)):
         cfg = model(checkpoint)[0]
         rng = rng_for(f"deltanet-{checkpoint}-{layer}-{T}")
         inputs = {"x": f32(rng.normal(0, 1, (T, cfg.hidden_size))),
@@ -207,7 +207,7 @@ def layer_cases():
         yield layer_case(checkpoint, layer, "deltanet_layer", "linear_attn", DELTANET_ATTRS, inputs, gated_deltanet,
                          "DeltaNet mixer (after input_layernorm) from a non-zero conv window and state")
 
-    for checkpoint, layer in (("default", 3), ("tiny-odd", 3)):
+    for checkpoint, layer in (("tiny-mtp", 3), ("tiny-odd", 3)):
         cfg = model(checkpoint)[0]
         rng = rng_for(f"attention-{checkpoint}-{layer}")
         past, T, kv = 10, 6, (cfg.num_key_value_heads, cfg.head_dim)
@@ -221,12 +221,12 @@ def layer_cases():
         yield layer_case(checkpoint, layer, "attention_layer", "self_attn", ATTENTION_ATTRS, inputs, gated_attention,
                          f"gated attention: {T} new tokens after {past} cached keys (k after k_norm and RoPE)")
 
-    rng = rng_for("mlp-default")
-    inputs = {"x": f32(rng.normal(0, 1, (7, model("default")[0].hidden_size)))}
+    rng = rng_for("mlp-tiny-mtp")
+    inputs = {"x": f32(rng.normal(0, 1, (7, model("tiny-mtp")[0].hidden_size)))}
 
     def mlp(cfg, weights):
         return {"y": R.mlp(inputs["x"], **weights)}
-    yield layer_case("default", 0, "mlp_layer", "mlp", (), inputs, mlp, "SwiGLU feed-forward")
+    yield layer_case("tiny-mtp", 0, "mlp_layer", "mlp", (), inputs, mlp, "SwiGLU feed-forward")
 
     cfg = model("tiny-moe")[0]
     rng = rng_for("moe-tiny-moe")
@@ -283,7 +283,7 @@ def model_cases():
         yield forward_case(checkpoint, "prefill-T70", (70,), with_state=False)
         yield forward_case(checkpoint, "decode", (20,) + (1,) * 8, with_state=True)
         yield greedy_case(checkpoint)
-    for checkpoint in ("default", "tiny-odd"):  # prefill shorter than the conv window, then a chunk-crossing extend
+    for checkpoint in ("tiny-mtp", "tiny-odd"):  # prefill shorter than the conv window, then a chunk-crossing extend
         yield forward_case(checkpoint, "extend", (2, 66, 1), with_state=True)
 
 
@@ -430,8 +430,8 @@ def spec_sampling_cases(checkpoint, runs):
 
 
 def speculative_cases():
-    yield from spec_greedy_cases("default", range(DRAFT_LEN + 1))
-    yield from spec_sampling_cases("default", [(0, R.Sampling(1.0, 0, 1.0)), (2, R.Sampling(0.8, 40, 1.0)),
+    yield from spec_greedy_cases("tiny-mtp", range(DRAFT_LEN + 1))
+    yield from spec_sampling_cases("tiny-mtp", [(0, R.Sampling(1.0, 0, 1.0)), (2, R.Sampling(0.8, 40, 1.0)),
                                                (4, R.Sampling(0.7, 0, 0.9))])
     for checkpoint in ("tiny-moe", "tiny-odd", "tiny-multimodal"):
         yield from spec_greedy_cases(checkpoint, [2])

@@ -29,7 +29,7 @@ def test_transformers_has_no_unexpected_result(capsys, tmp_path):
     assert skipped == {name for name in results if name.startswith("spec-")}
     assert all("cannot roll back a Gated DeltaNet state" in results[n].note for n in skipped)
     assert results["sampling-topp0.5-ties"].status == "FAIL"
-    assert "spec-default-greedy-accept2-replay" in (tmp_path / "report.json").read_text()
+    assert "spec-tiny-mtp-greedy-accept2-replay" in (tmp_path / "report.json").read_text()
 
 
 @register_engine("test_minimal")
@@ -47,7 +47,7 @@ def test_a_prefill_decode_only_engine_fits_and_the_rest_is_skip_with_reasons(cap
     ran = {n for n, r in results.items() if r.status == "PASS"}
     assert ran == {n for n in results if n.startswith("model-")}
     assert {r.status for n, r in results.items() if n not in ran} == {"SKIP"}
-    assert "outputs needing state_export not compared" in results["model-default-decode"].note
+    assert "outputs needing state_export not compared" in results["model-tiny-mtp-decode"].note
 
 
 def test_a_skip_without_a_recorded_reason_is_unexpected(capsys):
@@ -70,7 +70,7 @@ def test_a_missing_rollback_fails_every_partial_accept_and_shows_numbers(capsys)
     failed = {n for n, r in results.items() if r.status == "FAIL"}
     assert failed == {n for n in results if "accept4" not in n}
     assert "expected" in out and "actual" in out and "allowed" in out
-    assert (runner.OUT_DIR / "test_no_rollback" / "spec-default-greedy-accept0-replay.safetensors").exists()
+    assert (runner.OUT_DIR / "test_no_rollback" / "spec-tiny-mtp-greedy-accept0-replay.safetensors").exists()
 
 
 @register_engine("test_flaky_top_p")

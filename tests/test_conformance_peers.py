@@ -10,10 +10,10 @@ def test_llama_cpp_has_no_unexpected_result(capsys):
     results, code, out = run_quietly("llama_cpp", capsys)
     assert code == 0, out
     # llama.cpp's own rollback (n_rs_seq snapshots, llama_memory_seq_rm) commits every accept count correctly
-    rolled_back = [f"spec-default-greedy-accept{k}-per-position" for k in range(5)]
+    rolled_back = [f"spec-tiny-mtp-greedy-accept{k}-per-position" for k in range(5)]
     rolled_back += ["spec-tiny-moe-greedy-accept2-per-position", "spec-tiny-multimodal-greedy-accept2-per-position"]
     assert all(results[n].status == "PASS" for n in rolled_back)
-    assert "no tape of delta-rule updates" in results["spec-default-greedy-accept2-replay"].note
+    assert "no tape of delta-rule updates" in results["spec-tiny-mtp-greedy-accept2-replay"].note
     assert "check_tensor_dims" in results["model-tiny-odd-prefill-T70"].details[0]    # the recorded reason, not another
 
 
@@ -22,7 +22,7 @@ def test_mlx_has_no_unexpected_result(capsys):
     assert code == 0, out
     assert {r.status for n, r in results.items() if n.startswith("spec-")} == {"SKIP"}
     # mlx exposes its caches, so the forward cases compare the state too
-    assert "not compared" not in results["model-default-extend"].note
+    assert "not compared" not in results["model-tiny-mtp-extend"].note
     assert "parameters not in model" in results["model-tiny-moe-per-expert-mtp-greedy"].details[0]
 
 

@@ -54,7 +54,7 @@ SPEC_KEYS = ("target_calls", "proposed", "accepted", "accepted_by_position", "pr
     ("tiny-moe", "none", 0, "replay"), ("tiny-moe", "ngram", 4, "replay"),
     ("tiny-odd", "none", 0, "replay"), ("tiny-odd", "ngram", 3, "per-position"),
     ("tiny-multimodal", "none", 0, "replay"), ("tiny-multimodal", "mtp", 2, "per-position"),
-    ("default", "none", 0, "replay"), ("default", "ngram", 4, "per-position"), ("default", "mtp", 3, "replay"),
+    ("tiny-mtp", "none", 0, "replay"), ("tiny-mtp", "ngram", 4, "per-position"), ("tiny-mtp", "mtp", 3, "replay"),
     ("tiny-moe-per-expert-mtp", "none", 0, "replay"), ("tiny-moe-per-expert-mtp", "mtp", 4, "replay"),
 ])
 def test_greedy_matches_reference(models, name, draft, K, rollback):

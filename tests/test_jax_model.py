@@ -14,7 +14,7 @@ import jax_impl
 import reference
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
-CHECKPOINTS = ["tiny-dense", "tiny-moe", "tiny-odd", "tiny-multimodal", "default", "tiny-moe-per-expert-mtp"]
+CHECKPOINTS = ["tiny-dense", "tiny-moe", "tiny-odd", "tiny-multimodal", "tiny-mtp", "tiny-moe-per-expert-mtp"]
 PROMPT = [5, 17, 42, 99, 3, 17, 42, 7, 8, 9, 100, 200, 17, 42, 7]
 
 
@@ -78,7 +78,7 @@ def test_prefill_logits_match_reference(models, name):
 
 
 def test_closer_to_float64(models):
-    cfg, params, jparams = models["default"]
+    cfg, params, jparams = models["tiny-mtp"]
     params64 = jax.tree.map(lambda a: a.astype(np.float64), params)
     empty = reference.empty_state(cfg)
     empty64 = reference.State(tuple(type(s)(*(a.astype(np.float64) for a in s)) for s in empty.layers), 0)
@@ -125,7 +125,7 @@ def test_verify_then_rollback_equals_fresh_run(models, rollback):
                 assert_close(got.v[:fresh.length], want.v, 2e-5)
 
 
-@pytest.mark.parametrize("name", ["default", "tiny-moe-per-expert-mtp"])
+@pytest.mark.parametrize("name", ["tiny-mtp", "tiny-moe-per-expert-mtp"])
 def test_mtp_head_matches_reference(models, name):
     cfg, params, jparams = models[name]
     _, hidden, _, _ = reference.forward(params, cfg, PROMPT, reference.empty_state(cfg))

@@ -13,7 +13,7 @@ import reference as R
 from conftest import ROOT
 from weights.make_tiny import BASE, random_tensor
 
-CHECKPOINTS = ["default", "tiny-moe-per-expert-mtp", "tiny-odd"]       # dense, MoE, value/key head ratio 3
+CHECKPOINTS = ["tiny-mtp", "tiny-moe-per-expert-mtp", "tiny-odd"]       # dense, MoE, value/key head ratio 3
 DRAFTERS = ["ngram", "mtp", "skip:2", f"model:{ROOT / 'weights' / 'tiny-draft'}"]
 PROMPT = [5, 17, 200, 33, 17, 200, 9, 41, 77]
 NEW_TOKENS = 24
@@ -246,10 +246,10 @@ def test_disjoint_support_always_rejects():
 # --- Edge cases --------------------------------------------------------------------------------------------------
 
 def test_draft_length_zero_is_plain_decoding():
-    cfg, params = model("default")
+    cfg, params = model("tiny-mtp")
     tokens, stats = R.generate_speculative(params, cfg, PROMPT, NEW_TOKENS, R.Sampling(), np.random.default_rng(0),
                                            R.make_drafter("ngram", params, cfg), 0)
-    assert tokens == plain_greedy("default") and stats["proposed"] == 0
+    assert tokens == plain_greedy("tiny-mtp") and stats["proposed"] == 0
     assert stats["target_calls"] == NEW_TOKENS - 1
 
 
@@ -269,8 +269,8 @@ def test_draft_that_hits_eos_stops_there():
 
 @pytest.mark.parametrize("limit", ["max_new_tokens", "max_position_embeddings"])
 def test_draft_running_past_the_length_limit_is_cut(limit):
-    cfg, params = model("default")
-    truth = plain_greedy("default")
+    cfg, params = model("tiny-mtp")
+    truth = plain_greedy("tiny-mtp")
     new_tokens = 5
     if limit == "max_position_embeddings":
         cfg, new_tokens = R.replace(cfg, max_position_embeddings=len(PROMPT) + 5), NEW_TOKENS
@@ -282,15 +282,15 @@ def test_draft_running_past_the_length_limit_is_cut(limit):
 
 
 def test_empty_proposal_falls_back_to_one_token_per_round():
-    cfg, params = model("default")
+    cfg, params = model("tiny-mtp")
     empty = R.Drafter("empty", None, lambda s, c, h, k, sampling, rng: ([], np.zeros((0, cfg.vocab_size)), s))
     tokens, stats = R.generate_speculative(params, cfg, PROMPT, NEW_TOKENS, R.Sampling(), np.random.default_rng(0),
                                            empty, 4)
-    assert tokens == plain_greedy("default") and stats["target_calls"] == NEW_TOKENS - 1
+    assert tokens == plain_greedy("tiny-mtp") and stats["target_calls"] == NEW_TOKENS - 1
 
 
 def test_drafter_proposing_ids_outside_the_vocabulary_is_an_error():
-    cfg, params = model("default")
+    cfg, params = model("tiny-mtp")
     bad = R.Drafter("bad", None, lambda s, c, h, k, sampling, rng: ([cfg.vocab_size], R.one_hot([0], cfg.vocab_size), s))
     with pytest.raises(R.UserError, match=r"drafter bad proposed \[272\].*\[0, 272\)"):
         R.generate_speculative(params, cfg, PROMPT, 8, R.Sampling(), np.random.default_rng(0), bad, 2)
@@ -304,11 +304,11 @@ def test_mtp_drafter_needs_mtp_weights():
 
 def test_rollback_memory_per_strategy():
     """Per-position keeps K+1 states per DeltaNet layer; the tape keeps K+1 vectors: far less."""
-    cfg, params = model("default")
+    cfg, params = model("tiny-mtp")
     sizes = {}
     for rollback in R.ROLLBACK_STRATEGIES:
         _, stats = R.generate_speculative(params, cfg, PROMPT, NEW_TOKENS, R.Sampling(), np.random.default_rng(0),
-                                          oracle_drafter(plain_greedy("default", new_tokens=40), [7], cfg.vocab_size), 7,
+                                          oracle_drafter(plain_greedy("tiny-mtp", new_tokens=40), [7], cfg.vocab_size), 7,
                                           rollback)
         sizes[rollback] = stats["rollback_bytes"]
     linear_layers = cfg.layer_types.count("linear_attention")
@@ -333,7 +333,7 @@ def test_offline_ngram_table_drafts_the_most_frequent_phrase():
 
 
 def test_drafter_q_must_cover_its_own_proposals_when_sampling():
-    cfg, params = model("default")
+    cfg, params = model("tiny-mtp")
     zero_q = R.Drafter("zero-q", None, lambda s, c, h, k, sampling, rng: ([3], np.zeros((1, cfg.vocab_size)), s))
     with pytest.raises(R.UserError, match="drafter zero-q: q must be"):
         R.generate_speculative(params, cfg, PROMPT, 8, R.Sampling(1.0), np.random.default_rng(0), zero_q, 2)

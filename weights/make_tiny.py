@@ -41,6 +41,7 @@ MOE = dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"
 # layout: nested text_config, `model.language_model.` prefix), per_expert (unfused MoE experts, as some MTP layers are).
 CHECKPOINTS = {
     "default": (dict(num_hidden_layers=8, mtp_num_hidden_layers=1), {"mtp": True}),
+    "tiny-mtp": (dict(num_hidden_layers=8, mtp_num_hidden_layers=1), {"mtp": True}),
     "tiny-dense": (dict(tie_word_embeddings=False), {}),
     "tiny-moe": (dict(MOE, tie_word_embeddings=False), {}),
     "tiny-moe-per-expert-mtp": (dict(MOE, mtp_num_hidden_layers=1), {"mtp": True, "per_expert": True}),
