@@ -10,27 +10,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import reference as R
-from conftest import ROOT
+from conftest import ROOT, model
 from weights.make_tiny import BASE, random_tensor
 
 CHECKPOINTS = ["tiny-mtp", "tiny-moe-per-expert-mtp", "tiny-odd"]       # dense, MoE, value/key head ratio 3
 DRAFTERS = ["ngram", "mtp", "skip:2", f"model:{ROOT / 'weights' / 'tiny-draft'}"]
 PROMPT = [5, 17, 200, 33, 17, 200, 9, 41, 77]
 NEW_TOKENS = 24
-
-
-def cast(tree, dtype):
-    if isinstance(tree, dict):
-        return {key: cast(value, dtype) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [cast(value, dtype) for value in tree]
-    return None if tree is None else tree.astype(dtype)
-
-
-@lru_cache(maxsize=None)
-def model(name, dtype=np.float32):
-    cfg, params = R.load_model(ROOT / "weights" / name)
-    return cfg, cast(params, dtype)
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,93 @@
+"""The model card's measured figures for a trained checkpoint, on held-out text (the files train.py holds out):
+
+    python weights/evaluate.py weights/default [--prompts 24] [--new-tokens 96] [--json out.json]
+
+For each held-out file a prompt is cut (its first --prompt-len tokens) and continued greedily with jax_impl:
+plain decoding, the MTP head (K = 1, 2, 3) and n-gram copying (K = 4). It prints acceptance per draft position,
+tokens per target call and checks that every speculative run gives plain decoding's tokens; then three greedy
+continuations of fixed prompts for the card. The chance baseline of a draft is 1 / vocabulary size.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import jax_impl  # noqa: E402
+import reference as R  # noqa: E402
+from weights.train import corpus  # noqa: E402
+
+CARD_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", '    """Return the number of ']
+DRAFTERS = [("mtp", 1), ("mtp", 2), ("mtp", 3), ("ngram", 4)]
+
+
+def held_out_prompts(tokenizer, count, length):
+    """The first `length` tokens of the first `count` held-out files long enough for them."""
+    _, held_out, _ = corpus()
+    prompts = (tokenizer.encode(text).ids[:length] for text in held_out)
+    return [p for p in prompts if len(p) == length][:count]
+
+
+def evaluate(model_dir, prompts, new_tokens):
+    cfg, params = jax_impl.load(model_dir)
+    cfg = R.replace(cfg, eos_token_id=())          # measure full-length continuations
+    plain = [jax_impl.generate(params, cfg, p, new_tokens)[0] for p in prompts]
+    results = {}
+    for draft, K in DRAFTERS:
+        totals = {"proposed": 0, "accepted": 0, "target_calls": 0, "new_tokens": 0,
+                  "accepted_by_position": np.zeros(K), "proposed_by_position": np.zeros(K), "exact": True}
+        for prompt, expected in zip(prompts, plain):
+            tokens, stats = jax_impl.generate(params, cfg, prompt, new_tokens, draft=draft, draft_len=K)
+            totals["exact"] &= tokens == expected
+            for key in ("proposed", "accepted", "target_calls"):
+                totals[key] += stats[key]
+            totals["new_tokens"] += len(tokens) - 1                   # the first token comes from the prefill
+            totals["accepted_by_position"] += stats["accepted_by_position"]
+            totals["proposed_by_position"] += stats["proposed_by_position"]
+        by_position = totals["accepted_by_position"] / np.maximum(totals["proposed_by_position"], 1)
+        results[f"{draft} K={K}"] = {"acceptance": totals["accepted"] / max(totals["proposed"], 1),
+                                     "acceptance_by_position": by_position.round(4).tolist(),
+                                     "tokens_per_call": totals["new_tokens"] / totals["target_calls"],
+                                     "exact": bool(totals["exact"])}
+        r = results[f"{draft} K={K}"]
+        print(f"{draft:>6} K={K}: acceptance {r['acceptance']:.1%}, by position "
+              f"{' '.join(f'{a:.0%}' for a in by_position)}, {r['tokens_per_call']:.2f} tokens per target call, "
+              f"same tokens as plain decoding: {r['exact']}", flush=True)
+    return results
+
+
+def continuations(model_dir, tokenizer, new_tokens=48):
+    cfg, params = jax_impl.load(model_dir)
+    out = {}
+    for text in CARD_PROMPTS:
+        tokens, _ = jax_impl.generate(params, cfg, tokenizer.encode(text).ids, new_tokens)
+        out[text] = tokenizer.decode(tokens)
+        print(f"--- {text!r}\n{text}{out[text]}\n", flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    tokenizer = R.load_tokenizer(args.model)
+    cfg = R.load_config(args.model)
+    prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_len)
+    print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens each, greedy; "
+          f"chance acceptance 1/{cfg.vocab_size} = {1 / cfg.vocab_size:.2%}", flush=True)
+    results = {"speculative": evaluate(args.model, prompts, args.new_tokens),
+               "continuations": continuations(args.model, tokenizer)}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
