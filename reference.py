@@ -71,6 +71,10 @@ class Config:
         def check(ok, field, value, why):
             if not ok:
                 raise UserError(f"config: {field}={value!r} {why}")
+        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                      "linear_value_head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta"):
+            check(getattr(self, field) > 0, field, getattr(self, field), "must be > 0")
         check(len(self.layer_types) == self.num_hidden_layers, "layer_types", len(self.layer_types),
               f"entries, expected num_hidden_layers={self.num_hidden_layers}")
         for kind in self.layer_types:
@@ -87,9 +91,6 @@ class Config:
                   f"must be in [1, num_experts={self.num_experts}]")
         else:
             check(self.intermediate_size > 0, "intermediate_size", self.intermediate_size, "must be > 0")
-        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "linear_key_head_dim",
-                      "linear_value_head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta"):
-            check(getattr(self, field) > 0, field, getattr(self, field), "must be > 0")
 
     @property
     def is_moe(self):

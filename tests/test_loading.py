@@ -62,6 +62,7 @@ BAD_CONFIGS = [
     ({"rms_norm_eps": -1}, "rms_norm_eps=-1 must be > 0"),
     ({"rope_parameters": {"rope_theta": "big"}}, "rope_theta=.big. has the wrong type"),
     ({"intermediate_size": 0}, "intermediate_size=0 must be > 0"),
+    ({"linear_num_key_heads": 0}, "linear_num_key_heads=0 must be > 0"),
 ]
 
 
