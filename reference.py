@@ -119,6 +119,8 @@ def layer_types_from_interval(num_layers, interval):
 
 def config_from_dict(raw, generation_config=None):
     """config.json (flat text config, or multimodal with `text_config`) -> Config."""
+    if not isinstance(raw, dict):
+        raise UserError(f"config: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise UserError(f"config: model_type={model_type!r} is not one of {sorted(MODEL_TYPES)}")
@@ -146,9 +148,11 @@ def config_from_dict(raw, generation_config=None):
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise UserError(f"config: rope_type={rope_type!r} is not supported (only 'default')")
-    # Text-only input puts the same position in all three mRoPE sections, which is exactly 1-D RoPE.
-    num_layers = get("num_hidden_layers")
-    layer_types = text.get("layer_types") or layer_types_from_interval(num_layers, get("full_attention_interval", 4))
+    # (Text-only input puts the same position in all three mRoPE sections, which is exactly 1-D RoPE.)
+    num_layers, interval = get("num_hidden_layers"), get("full_attention_interval", 4)
+    if interval < 1:
+        raise UserError(f"config: full_attention_interval={interval} must be >= 1")
+    layer_types = text.get("layer_types") or layer_types_from_interval(num_layers, interval)
     eos = set()
     for source in (text, raw, generation_config or {}):
         value = source.get("eos_token_id")
