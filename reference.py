@@ -304,9 +304,13 @@ def canonical_names(tensors):
             for kind in ("gate_proj", "up_proj", "down_proj"):
                 if (e, kind) not in parts:
                     raise UserError(f"checkpoint: tensor {prefix}.{e}.{kind}.weight is missing")
-        out[prefix + ".gate_up_proj"] = np.stack([np.concatenate([parts[e, "gate_proj"], parts[e, "up_proj"]])
-                                                  for e in range(count)])
-        out[prefix + ".down_proj"] = np.stack([parts[e, "down_proj"] for e in range(count)])
+        try:
+            out[prefix + ".gate_up_proj"] = np.stack([np.concatenate([parts[e, "gate_proj"], parts[e, "up_proj"]])
+                                                      for e in range(count)])
+            out[prefix + ".down_proj"] = np.stack([parts[e, "down_proj"] for e in range(count)])
+        except ValueError:
+            shapes = sorted({(kind, parts[key].shape) for key in parts for kind in [key[1]]})
+            raise UserError(f"checkpoint: the tensors {prefix}.*.*_proj.weight differ in shape: {shapes}") from None
     return out
 
 

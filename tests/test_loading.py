@@ -143,3 +143,13 @@ def test_no_weights_file(tmp_path):
     shutil.copy(ROOT / "weights" / "tiny-dense" / "config.json", tmp_path)
     with pytest.raises(R.UserError, match="no model.safetensors or model.safetensors.index.json"):
         R.load_model(tmp_path)
+
+
+def test_misshaped_per_expert_tensor_is_an_error(tmp_path):
+    shutil.copytree(ROOT / "weights" / "tiny-moe-per-expert-mtp", tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["mtp.layers.0.mlp.experts.1.up_proj.weight"] = tensors["mtp.layers.0.mlp.experts.1.up_proj.weight"][:-1]
+    save_file(tensors, weights)
+    with pytest.raises(R.UserError, match=r"mtp.layers.0.mlp.experts.\*.\*_proj.weight differ in shape"):
+        R.load_model(tmp_path / "m")
