@@ -16,13 +16,16 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-SUITE_VERSION = 1          # bump on any change to the format or to what a case means (INTERPRETING.md)
+SUITE_VERSION = 2          # bump on any change to the format or to what a case means (INTERPRETING.md)
 REGENERATE = "python -m conformance generate"
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent         # checkpoint paths in manifests are relative to the repository root
 CASES_DIR = HERE / "cases"
 MANIFEST, INPUTS, EXPECTED = "case.json", "inputs.safetensors", "expected.safetensors"
 TOLERANCES = json.loads((HERE / "tolerances.json").read_text())
+# An engine's arithmetic (Engine.precision). fp32 is the top-level bounds of tolerances.json; each other precision
+# names the profile that replaces them, in each output kind that has one.
+PRECISIONS = ("fp32", "bf16")
 
 # Every feature a case may require. An engine declares the ones it supports; a case needing any other is SKIP.
 FEATURES = {
@@ -109,10 +112,15 @@ def checkpoint_sha256(name):
     return directory_sha256(checkpoint_dir(name))
 
 
+def bounds(tolerance):
+    """A tolerances.json entry as a manifest carries it: without the `why`s, its precision profiles included."""
+    return {k: bounds(v) if isinstance(v, dict) else v for k, v in tolerance.items() if k != "why"}
+
+
 def manifest(case, file_digests):
     outputs = {}
     for name, out in sorted(case.outputs.items()):
-        entry = {"tolerance": out.tolerance, **{k: v for k, v in TOLERANCES[out.tolerance].items() if k != "why"}}
+        entry = {"tolerance": out.tolerance, **bounds(TOLERANCES[out.tolerance])}
         if out.requires:
             entry["requires"] = out.requires
         if out.ties:

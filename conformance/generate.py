@@ -275,7 +275,7 @@ def greedy_case(checkpoint, prompt_len=12, n=16):
     return Case(f"model-{checkpoint}-greedy", "greedy", "reference.forward, argmax per step",
                 f"{n} greedy tokens after a {prompt_len}-token prompt, no stop at EOS",
                 ("prefill", "decode", "greedy") + checkpoint_features(checkpoint), {"n": n}, {"prompt": tokens},
-                {"tokens": Output("exact", i64(out), ties=ties or None)}, checkpoint)
+                {"tokens": Output("decision", i64(out), ties=ties or None)}, checkpoint)
 
 
 def model_cases():
@@ -351,8 +351,8 @@ def spec_case(checkpoint, label, prompt_ids, state, verify_tokens, q, uniforms, 
                 ("prefill", "decode", "speculative", f"rollback:{rollback}", f"accept:{mode}")
                 + checkpoint_features(checkpoint),
                 {"rollback": rollback, **sampling_attrs(sampling)}, inputs,
-                {"verify_logits": Output("logits", logits), "accepted": Output("exact", i64([accepted])),
-                 "committed": Output("exact", i64(draft[:accepted] + [token])), **state_outputs(committed),
+                {"verify_logits": Output("logits", logits), "accepted": Output("decision", i64([accepted])),
+                 "committed": Output("decision", i64(draft[:accepted] + [token])), **state_outputs(committed),
                  "next_logits": Output("logits", next_logits)},
                 checkpoint)
 

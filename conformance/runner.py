@@ -13,8 +13,8 @@ import numpy as np
 import safetensors.numpy
 
 from conformance.engines import get_engine
-from conformance.format import (CASES_DIR, EXPECTED, FEATURES, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs,
-                                read_manifest, read_tensors)
+from conformance.format import (CASES_DIR, EXPECTED, FEATURES, HERE, INPUTS, PRECISIONS, ROOT, SUITE_VERSION,
+                                case_dirs, read_manifest, read_tensors)
 
 OUT_DIR = HERE / "_out"           # actual outputs of failing cases, for inspection
 SHOWN_MISMATCHES = 5
@@ -23,15 +23,21 @@ SHOWN_MISMATCHES = 5
 # ----------------------------------------------------------------------------------------------------------------
 # Driving an engine through one case. Each returns {output name: array}.
 
+def at_precision(spec, precision):
+    """An output's comparison for an engine computing in `precision`: the output's profile of that name, where it has
+    one, replaces the fp32 bounds (INTERPRETING.md section 6)."""
+    return {**spec, **spec.get(precision, {})}
+
+
 def sampling_settings(attrs):
     return {k: attrs[k] for k in ("temperature", "top_k", "top_p")}
 
 
-def drive_op(engine, meta, inputs, model):
+def drive_op(engine, meta, inputs, expected, model):
     return engine.run_op(meta["kind"], inputs, meta["attrs"])
 
 
-def drive_forward(engine, meta, inputs, model):
+def drive_forward(engine, meta, inputs, expected, model):
     chunks, tokens = meta["attrs"]["chunks"], inputs["tokens"]
     logits, state = engine.prefill(model, tokens[:chunks[0]])
     parts, start = [logits], chunks[0]
@@ -45,25 +51,28 @@ def drive_forward(engine, meta, inputs, model):
     return actual
 
 
-def drive_greedy(engine, meta, inputs, model):
+def drive_greedy(engine, meta, inputs, expected, model):
     return {"tokens": engine.greedy(model, inputs["prompt"], meta["attrs"]["n"])}
 
 
-def drive_sampling(engine, meta, inputs, model):
+def drive_sampling(engine, meta, inputs, expected, model):
     p, tokens = engine.sample(inputs["logits"], sampling_settings(meta["attrs"]), inputs["uniforms"])
     return {"probabilities": p, "tokens": tokens}
 
 
-def drive_speculative(engine, meta, inputs, model):
-    """Prefill, verify [last + drafts], accept, commit accepted + 1 positions, then decode the new token."""
+def drive_speculative(engine, meta, inputs, expected, model):
+    """Prefill, verify [last + drafts], accept, commit accepted + 1 positions, then decode the new token. At a
+    precision that does not compare decisions, the golden's decision is committed, so what follows stays comparable."""
     attrs, tokens = meta["attrs"], inputs["verify_tokens"]
     _, state = engine.prefill(model, inputs["prompt"])
     logits, pending = engine.verify(model, state, tokens, attrs["rollback"])
     accepted, token = engine.accept(tokens[1:], inputs.get("q"), logits, sampling_settings(attrs),
                                     inputs.get("uniforms"))
-    state = engine.commit(model, pending, accepted + 1)
     actual = {"verify_logits": logits, "accepted": np.array([accepted]),
               "committed": np.append(tokens[1:accepted + 1], token)}
+    if not at_precision(meta["outputs"]["accepted"], engine.precision).get("compared", True):
+        accepted, token = int(expected["accepted"][0]), int(expected["committed"][-1])
+    state = engine.commit(model, pending, accepted + 1)
     if "state_export" in engine.features:
         actual.update(engine.export_state(model, state))
     actual["next_logits"] = engine.decode(model, state, np.array([token], dtype=np.int64))[0]
@@ -102,7 +111,7 @@ def compare(spec, actual, expected):
     actual = np.asarray(actual)
     if actual.shape != expected.shape:
         return Comparison(False, None, None, (f"shape {actual.shape}, expected {expected.shape}",))
-    if spec["tolerance"] == "exact":
+    if spec["tolerance"] in ("exact", "decision"):
         return compare_tokens(actual, expected, spec.get("ties", {}))
     err = np.abs(actual.astype(np.float64) - expected)
     allowed = spec["atol"] + spec["rtol"] * np.abs(expected.astype(np.float64))
@@ -151,12 +160,17 @@ def run_case(engine, folder, meta, unsupported, known_failures, load_model):
     missing = [f for f in meta["features"] if f not in engine.features]
     if missing:
         return skip_result(name, missing, unsupported, engine.name)
+    specs = {out: at_precision(spec, engine.precision) for out, spec in meta["outputs"].items()}
+    uncompared = sorted(out for out, spec in specs.items() if not spec.get("compared", True))
+    if len(uncompared) == len(specs):
+        return Result(name, "SKIP", False, f"{', '.join(uncompared)}: not compared at {engine.precision} "
+                      "(tolerances.json says why)", None, None, (), {})
     inputs, expected = read_tensors(folder, INPUTS), read_tensors(folder, EXPECTED)
     try:
         model = load_model(meta["checkpoint"]) if meta["checkpoint"] else None
-        actual = DRIVERS.get(meta["kind"], drive_op)(engine, meta, inputs, model)
-        compared = {out: compare(spec, actual.get(out), expected[out]) for out, spec in meta["outputs"].items()
-                    if spec.get("requires") in (None, *engine.features)}
+        actual = DRIVERS.get(meta["kind"], drive_op)(engine, meta, inputs, expected, model)
+        compared = {out: compare(spec, actual.get(out), expected[out]) for out, spec in specs.items()
+                    if spec.get("requires") in (None, *engine.features) and out not in uncompared}
     except Exception as e:  # an adapter or engine crash is a result of the case, not of the run
         status, compared = "ERROR", {}
         details = (f"{type(e).__name__}: {e}", *traceback.format_exc().splitlines()[-4:-1])
@@ -167,6 +181,7 @@ def run_case(engine, folder, meta, unsupported, known_failures, load_model):
                               if spec.get("requires") and spec["requires"] not in engine.features})
     notes = [f"{out}: {line}" for out, c in compared.items() if c.ok for line in c.lines]
     notes += [f"outputs needing {f} not compared" for f in skipped_outputs]
+    notes += [f"{', '.join(uncompared)}: not compared at {engine.precision}"] if uncompared else []
     known = next((v for pattern, v in known_failures.items() if fnmatch.fnmatchcase(name, pattern)), None)
     if known:
         unexpected = status != known["expected"]
@@ -225,6 +240,9 @@ def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectation
     unknown = sorted(set(unsupported) - set(FEATURES))
     if unknown:
         raise ValueError(f"expectations for {engine_name}: `unsupported` names unknown features {unknown}")
+    if engine.precision not in PRECISIONS:
+        raise ValueError(f"engine {engine_name}: precision {engine.precision!r}, expected one of "
+                         f"{', '.join(PRECISIONS)}")
     cases = select_cases(cases_dir, pattern)
     models = {}
 
@@ -244,7 +262,8 @@ def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectation
           + (f"; {len(unexpected)} unexpected (marked !)" if unexpected else "; all as expected"), file=out)
     if report:
         Path(report).write_text(json.dumps({
-            "suite_version": SUITE_VERSION, "engine": engine_name, "features": sorted(engine.features),
+            "suite_version": SUITE_VERSION, "engine": engine_name, "precision": engine.precision,
+            "features": sorted(engine.features),
             "summary": {**counts, "unexpected": unexpected},
             "cases": [{"name": r.name, "status": r.status, "unexpected": r.unexpected, "note": r.note,
                        "max_abs_error": r.max_abs, "rel_error": r.rel, "details": list(r.details),

@@ -60,6 +60,7 @@ class Engine:
     """
     name = "?"
     features = frozenset()
+    precision = "fp32"     # the arithmetic (format.PRECISIONS): "bf16" compares with tolerances.json's bf16 profile
 
     def load(self, checkpoint_dir):
         """Checkpoint directory (config.json + safetensors, Hugging Face layout) -> model handle."""

@@ -54,10 +54,15 @@ def mlp_layer(inputs, attrs):
     return {"y": R.mlp(inputs["x"], **layer_params(inputs, attrs["prefix"])["mlp"])}
 
 
+def moe_config(attrs, hidden_size):
+    """A Config for one MoE layer: the case's router and expert sizes, no dense FFN."""
+    return layer_config(attrs, hidden_size, model_type="qwen3_5_moe_text", intermediate_size=0,
+                        **{k: attrs[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                   "shared_expert_intermediate_size")})
+
+
 def moe_layer(inputs, attrs):
-    cfg = layer_config(attrs, inputs["x"].shape[-1], model_type="qwen3_5_moe_text", intermediate_size=0,
-                       **{k: attrs[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                                  "shared_expert_intermediate_size")})
+    cfg = moe_config(attrs, inputs["x"].shape[-1])
     return {"y": R.sparse_moe(inputs["x"], cfg, **layer_params(inputs, attrs["prefix"])["mlp"])}
 
 

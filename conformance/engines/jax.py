@@ -1,0 +1,151 @@
+"""jax_impl (the JAX implementation, on whatever device JAX has) as an engine, in float32; jax_bf16.py runs the same
+adapter with bf16 weights and activations.
+
+Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, rollback), which compile
+once per checkpoint and token count; greedy runs jax_impl.generate, its on-device generation loop. Primitive and layer
+cases call jax_impl.model's functions with the case's weights, transposed to (in, out) by jax_impl.to_jax as the model
+stores them. Every feature is supported.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_impl
+import reference as R
+from conformance.engines import Engine, register_engine
+from conformance.engines.reference import layer_config, layer_params, moe_config, sampling_of, state_tensors
+from conformance.format import FEATURES
+from jax_impl import model as M
+
+# Layers and the delta rule compiled, as the model runs them (primitives run op by op)
+jit = partial(jax.jit, static_argnames="cfg")
+deltanet, attention, moe = jit(M.gated_deltanet), jit(M.gated_attention), jit(M.sparse_moe)
+mlp = jax.jit(M.mlp)
+rules = {"recurrent": jax.jit(jax_impl.gated_delta_recurrent), "chunked": jax.jit(jax_impl.gated_delta_chunked)}
+PAD_TO = 128                      # multi-token calls are padded to a multiple of this (Jax.decode)
+
+
+def deltanet_layer(i, attrs, weights):
+    cfg = layer_config(attrs, i["x"].shape[-1])
+    y, state, _ = deltanet(i["x"], R.DeltaState(i["state.conv"], i["state.S"]), len(i["x"]), cfg,
+                           **weights["linear_attn"])
+    return {"y": y, "state.conv": state.conv, "state.S": state.S}
+
+
+def attention_layer(i, attrs, weights):
+    """jax_impl writes new keys into a preallocated cache at their positions: give it room for them."""
+    cfg = layer_config(attrs, i["x"].shape[-1], layer_types=("full_attention",))
+    room = jnp.zeros((len(i["x"]), *i["state.k"].shape[1:]), i["state.k"].dtype)
+    cache = R.AttnState(jnp.concatenate([i["state.k"], room]), jnp.concatenate([i["state.v"], room]))
+    y, cache = attention(i["x"], cache, i["positions"], cfg, **weights["self_attn"])
+    return {"y": y, "state.k": cache.k, "state.v": cache.v}
+
+
+def moe_layer(i, attrs, weights):
+    return {"y": moe(i["x"], moe_config(attrs, i["x"].shape[-1]), **weights["mlp"])}
+
+
+def gated_delta_rule(i, attrs, weights):
+    o, S, _ = rules[attrs["form"]](*(i[n] for n in ("q", "k", "v", "g", "beta", "initial_state")))
+    return {"o": o, "final_state": S}
+
+
+OPS = {  # kind -> (inputs as jax arrays, attrs, the layer's weights as jax_impl stores them) -> outputs
+    "rms_norm": lambda i, a, w: {"y": M.rms_norm(i["x"], i["weight"], a["eps"])},
+    "rms_norm_gated": lambda i, a, w: {"y": M.rms_norm_gated(i["x"], i["z"], i["weight"], a["eps"])},
+    "l2norm": lambda i, a, w: {"y": M.l2norm(i["x"], a["eps"])},
+    "rope": lambda i, a, w: {"y": M.rope(i["x"], i["positions"], a["rope_theta"],
+                                         int(i["x"].shape[-1] * a["partial_rotary_factor"]))},
+    "causal_conv1d": lambda i, a, w: dict(zip(("y", "window"),
+                                              M.causal_conv1d(i["x"], i["window"], i["weight"], len(i["x"])))),
+    "gated_delta_rule": gated_delta_rule,
+    "deltanet_layer": deltanet_layer,
+    "attention_layer": attention_layer,
+    "mlp_layer": lambda i, a, w: {"y": mlp(i["x"], **w["mlp"])},
+    "moe_layer": moe_layer,
+}
+
+# Inputs jax_impl keeps in float32 whatever the model dtype: the delta rule, its state and its output (model.py)
+FLOAT32_INPUTS = {"l2norm": {"x"}, "gated_delta_rule": {"q", "k", "v", "g", "beta", "initial_state"},
+                  "rms_norm_gated": {"x"}, "deltanet_layer": {"state.S"}}
+
+
+def host(x):
+    return np.asarray(x, np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x, np.int64)
+
+
+@register_engine("jax")
+class Jax(Engine):
+    features = frozenset(FEATURES)
+    dtype = "float32"                 # of weights and activations (jax_impl.weights.DTYPES)
+
+    def load(self, checkpoint_dir):
+        return jax_impl.load(checkpoint_dir, self.dtype)
+
+    def prefill(self, model, tokens):
+        """The KV buffers hold the model's whole context, so no case outgrows them and every call of a checkpoint
+        compiles for the same state shapes."""
+        cfg, params = model
+        state = jax_impl.empty_state(cfg, cfg.max_position_embeddings, params["embed_tokens"].dtype)
+        return self.decode(model, state, tokens)
+
+    def decode(self, model, state, tokens):
+        """Several tokens are padded to a multiple of PAD_TO (jax_impl's `valid` says how many are real): the suite's
+        multi-token calls then compile one prefill per checkpoint."""
+        cfg, params = model
+        if len(tokens) == 1:
+            logits, _, state = jax_impl.decode(params, cfg, jnp.int32(tokens[0]), state)
+            return host(logits)[None], state
+        room = cfg.max_position_embeddings - int(state.length)
+        if len(tokens) > room:
+            raise ValueError(f"{len(tokens)} tokens do not fit the {room} free slots of the KV buffers")
+        padded = np.pad(tokens, (0, min(-len(tokens) % PAD_TO, room - len(tokens))))
+        logits, _, state, _ = jax_impl.prefill(params, cfg, jnp.asarray(padded, jnp.int32), state,
+                                               jnp.int32(len(tokens)))
+        return host(logits[:len(tokens)]), state
+
+    def export_state(self, model, state):
+        """Only the live part of the KV buffers: the first state.length slots."""
+        n = int(state.length)
+        live = [layer._replace(k=layer.k[:n], v=layer.v[:n]) if isinstance(layer, R.AttnState) else layer
+                for layer in state.layers]
+        return state_tensors(R.State(jax.tree.map(host, live), n))
+
+    def greedy(self, model, prompt, n):
+        cfg, params = model
+        tokens, _ = jax_impl.generate(params, R.replace(cfg, eos_token_id=()), list(prompt), n)
+        return np.array(tokens, dtype=np.int64)
+
+    def run_op(self, kind, inputs, attrs):
+        prefix = attrs.get("prefix")
+        keep_float32 = FLOAT32_INPUTS.get(kind, set())
+        arrays = {name: jnp.asarray(a, jnp.int32 if a.dtype.kind == "i" else
+                                    jnp.float32 if name in keep_float32 else self.dtype)
+                  for name, a in inputs.items() if not (prefix and name.startswith(prefix))}
+        weights = jax_impl.to_jax(layer_params(inputs, prefix), self.dtype) if prefix else None
+        return {name: host(y) for name, y in OPS[kind](arrays, attrs, weights).items()}
+
+    def sample(self, logits, sampling, uniforms):
+        p = jax_impl.probabilities(jnp.asarray(logits), sampling_of(sampling))
+        return host(p), host(jax.vmap(jax_impl.sample)(p, jnp.asarray(uniforms)))
+
+    def verify(self, model, state, tokens, rollback):
+        cfg, params = model
+        logits, _, after, kept = jax_impl.verify(params, cfg, jnp.asarray(tokens, jnp.int32), state, rollback)
+        return host(logits), (rollback, state, after, kept)
+
+    def commit(self, model, pending, n):
+        return jax_impl.rollback(*pending, jnp.int32(n))
+
+    def accept(self, draft, q, logits, sampling, uniforms):
+        sampling, draft, logits = sampling_of(sampling), jnp.asarray(draft, jnp.int32), jnp.asarray(logits)
+        if sampling.temperature == 0:
+            accepted, token = jax_impl.accept_greedy(draft, len(draft), logits)
+        else:
+            accepted, token = jax_impl.accept_speculative(draft, len(draft), jnp.asarray(q),
+                                                          jax_impl.probabilities(logits, sampling),
+                                                          jnp.asarray(uniforms))
+        return int(accepted), int(token)
