@@ -6,7 +6,9 @@ The whole generate loop runs on device, so text comes out at the end, not stream
 mtp (skip:N and model:DIR are reference.py only: exit 2). Compile time is reported apart from run time.
 """
 
+import contextlib
 import json
+import os
 import sys
 
 import jax
@@ -81,9 +83,33 @@ def run(args):
     print(summary(stats), file=sys.stderr)
 
 
+@contextlib.contextmanager
+def native_stdout_to_stderr(active):
+    """On a multi-process run gloo (XLA:CPU's cross-process collectives) prints "[Gloo] Rank 0 is connected to ..."
+    on the C++ stdout whenever it connects devices, which would break --json: meanwhile fd 1 goes to stderr and
+    Python's sys.stdout, ours, to the real stdout."""
+    if not active:
+        yield
+        return
+    ours = sys.stdout
+    ours.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = open(real, "w", encoding=ours.encoding, errors=ours.errors, closefd=False)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = ours
+        os.dup2(real, 1)
+        os.close(real)
+
+
 def main(argv=None):
     try:
-        run(parse_args(argv))
+        args = parse_args(argv)
+        with native_stdout_to_stderr(args["coordinator"]):
+            run(args)
     except reference.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,11 +1,16 @@
 """Tensor parallelism on 4 forced host devices (a subprocess: XLA reads the device count at start-up) gives the
-tokens of one device, with the weights, the KV cache and the DeltaNet state really split."""
+tokens of one device, with the weights, the KV cache and the DeltaNet state really split; so does a 4-device mesh
+spanning two processes (jax.distributed, the multi-host path) through the command line."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 import jax_impl
 
@@ -49,3 +54,36 @@ def test_four_devices_give_the_tokens_of_one():
     for (name, spec), tokens in zip(RUNS, out["runs"]):
         cfg, params = jax_impl.load(ROOT / "weights" / name)
         assert tokens == jax_impl.generate(params, cfg, PROMPT, 16, **spec)[0], (name, spec)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_the_tokens_of_one(draft="ngram"):
+    """2 processes x 2 host devices joined on localhost (cross-process collectives: gloo, XLA:CPU's default), one
+    4-device "tp" mesh; only process 0 prints, and its --json stdout is exactly the JSON."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "jax_impl", "--model", "weights/tiny-moe", "--prompt-ids", ",".join(map(str, PROMPT)),
+           "--devices", "4", "--max-new-tokens", "16", "--json", "--draft", draft,
+           "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.monotonic() + 300  # a hang (a peer gone, an XLA:CPU deadlock) fails instead of blocking
+    try:
+        outs = [p.communicate(timeout=max(1, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("timed out; stderr:\n" + "\n".join(p.communicate()[1][-2000:] for p in procs))
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, (i, err[-3000:])
+    assert outs[1][0] == ""
+    tokens = json.loads(outs[0][0])["tokens"]
+    cfg, params = jax_impl.load(ROOT / "weights" / "tiny-moe")
+    assert tokens == jax_impl.generate(params, cfg, PROMPT, 16, draft=draft)[0]
