@@ -3,8 +3,9 @@
     python weights/evaluate.py weights/default [--prompts 24] [--new-tokens 96] [--json out.json]
 
 For each held-out file a prompt is cut (its first --prompt-len tokens) and continued greedily with jax_impl:
-plain decoding, the MTP head (K = 1, 2, 3) and n-gram copying (K = 4). It prints acceptance per draft position,
-tokens per target call and checks that every speculative run gives plain decoding's tokens; then three greedy
+plain decoding, the MTP head (K = 1, 2, 3), n-gram copying (K = 4), and n-gram copying backed by the seed's "free
+drafts" (an offline table of the model's own greedy continuations of training-file prompts). It prints acceptance
+per draft position, tokens per target call and checks that every speculative run gives plain decoding's tokens; then three greedy
 continuations of fixed prompts for the card. The chance baseline of a draft is 1 / vocabulary size.
 """
 
@@ -22,26 +23,36 @@ import reference as R  # noqa: E402
 from weights.train import corpus  # noqa: E402
 
 CARD_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", '    """Return the number of ']
-DRAFTERS = [("mtp", 1), ("mtp", 2), ("mtp", 3), ("ngram", 4)]
+DRAFTERS = [("mtp", 1, False), ("mtp", 2, False), ("mtp", 3, False), ("ngram", 4, False), ("ngram", 4, True)]
+TABLE_PROMPTS = 96
 
 
-def held_out_prompts(tokenizer, count, length):
-    """The first `length` tokens of the first `count` held-out files long enough for them."""
-    _, held_out, _ = corpus()
-    prompts = (tokenizer.encode(text).ids[:length] for text in held_out)
+def prompts_of(texts, tokenizer, count, length):
+    """The first `length` tokens of the first `count` texts long enough for them."""
+    prompts = (tokenizer.encode(text).ids[:length] for text in texts)
     return [p for p in prompts if len(p) == length][:count]
 
 
-def evaluate(model_dir, prompts, new_tokens):
+def free_draft_table(params, cfg, tokenizer, length, new_tokens):
+    """reference.build_ngram_table over the model's greedy continuations of TABLE_PROMPTS training-file prompts."""
+    train, _, _ = corpus()
+    prompts = prompts_of(train, tokenizer, TABLE_PROMPTS, length)
+    return R.build_ngram_table([p + jax_impl.generate(params, cfg, p, new_tokens)[0] for p in prompts])
+
+
+def evaluate(model_dir, tokenizer, prompts, new_tokens):
     cfg, params = jax_impl.load(model_dir)
     cfg = R.replace(cfg, eos_token_id=())          # measure full-length continuations
     plain = [jax_impl.generate(params, cfg, p, new_tokens)[0] for p in prompts]
+    table = free_draft_table(params, cfg, tokenizer, len(prompts[0]), new_tokens)
     results = {}
-    for draft, K in DRAFTERS:
+    for draft, K, with_table in DRAFTERS:
+        label = f"{draft}{' + free-draft table' if with_table else ''} K={K}"
         totals = {"proposed": 0, "accepted": 0, "target_calls": 0, "new_tokens": 0,
                   "accepted_by_position": np.zeros(K), "proposed_by_position": np.zeros(K), "exact": True}
         for prompt, expected in zip(prompts, plain):
-            tokens, stats = jax_impl.generate(params, cfg, prompt, new_tokens, draft=draft, draft_len=K)
+            tokens, stats = jax_impl.generate(params, cfg, prompt, new_tokens, draft=draft, draft_len=K,
+                                              ngram_table=table if with_table else None)
             totals["exact"] &= tokens == expected
             for key in ("proposed", "accepted", "target_calls"):
                 totals[key] += stats[key]
@@ -49,12 +60,12 @@ def evaluate(model_dir, prompts, new_tokens):
             totals["accepted_by_position"] += stats["accepted_by_position"]
             totals["proposed_by_position"] += stats["proposed_by_position"]
         by_position = totals["accepted_by_position"] / np.maximum(totals["proposed_by_position"], 1)
-        results[f"{draft} K={K}"] = {"acceptance": totals["accepted"] / max(totals["proposed"], 1),
+        results[label] = {"acceptance": totals["accepted"] / max(totals["proposed"], 1),
                                      "acceptance_by_position": by_position.round(4).tolist(),
                                      "tokens_per_call": totals["new_tokens"] / totals["target_calls"],
                                      "exact": bool(totals["exact"])}
-        r = results[f"{draft} K={K}"]
-        print(f"{draft:>6} K={K}: acceptance {r['acceptance']:.1%}, by position "
+        r = results[label]
+        print(f"{label}: acceptance {r['acceptance']:.1%}, by position "
               f"{' '.join(f'{a:.0%}' for a in by_position)}, {r['tokens_per_call']:.2f} tokens per target call, "
               f"same tokens as plain decoding: {r['exact']}", flush=True)
     return results
@@ -80,10 +91,10 @@ def main():
     args = ap.parse_args()
     tokenizer = R.load_tokenizer(args.model)
     cfg = R.load_config(args.model)
-    prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_len)
+    prompts = prompts_of(corpus()[1], tokenizer, args.prompts, args.prompt_len)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens each, greedy; "
           f"chance acceptance 1/{cfg.vocab_size} = {1 / cfg.vocab_size:.2%}", flush=True)
-    results = {"speculative": evaluate(args.model, prompts, args.new_tokens),
+    results = {"speculative": evaluate(args.model, tokenizer, prompts, args.new_tokens),
                "continuations": continuations(args.model, tokenizer)}
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
