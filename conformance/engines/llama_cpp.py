@@ -61,9 +61,11 @@ def converter_dir():
 
 
 def with_one_merge(tokenizer):
-    """tokenizer.json with one BPE merge added under the next free id. llama.cpp refuses a BPE vocab without merges
-    ("cannot find tokenizer merges in model file") and the tiny checkpoints' byte-level tokenizer has none; the ids
-    the cases use keep their meaning (the suite drives engines with token ids only)."""
+    """tokenizer.json with one BPE merge added under the next free id if it has none. llama.cpp refuses a BPE vocab
+    without merges ("cannot find tokenizer merges in model file") and the tiny checkpoints' byte-level tokenizer has
+    none; the ids the cases use keep their meaning (the suite drives engines with token ids only)."""
+    if tokenizer["model"].get("merges"):
+        return tokenizer
     vocab = tokenizer["model"]["vocab"]
     first, second = sorted(vocab, key=vocab.get)[:2]
     vocab[first + second] = 1 + max([*vocab.values(), *(t["id"] for t in tokenizer["added_tokens"])])
