@@ -33,12 +33,14 @@ def test_json_output_and_prompt_ids():
     assert out["tokens"] == R.generate(params, cfg, [1, 2, 3], 6, R.Sampling(), np.random.default_rng(0))[0]
 
 
-@pytest.mark.parametrize("draft", ["ngram", "mtp", "skip:3", f"model:{ROOT / 'weights' / 'tiny-draft'}"])
-def test_draft_flags_give_the_plain_greedy_tokens_and_stats(draft):
-    plain = json.loads(cli("--prompt-ids", "5,6,7,5,6", "--max-new-tokens", "12", "--json").stdout)
+@pytest.mark.parametrize("model, draft", [(DEFAULT, "ngram"), (DEFAULT, "mtp"), (DEFAULT, "skip:3"),
+                                          (ROOT / "weights" / "tiny-mtp", f"model:{ROOT / 'weights' / 'tiny-draft'}")])
+def test_draft_flags_give_the_plain_greedy_tokens_and_stats(model, draft):
+    """(tiny-draft shares tiny-mtp's vocabulary, not the default model's)"""
+    prompt = ("--model", str(model), "--prompt-ids", "5,6,7,5,6", "--max-new-tokens", "12", "--json")
+    plain = json.loads(cli(*prompt).stdout)
     for rollback in R.ROLLBACK_STRATEGIES:
-        run = cli("--prompt-ids", "5,6,7,5,6", "--max-new-tokens", "12", "--json", "--draft", draft, "--draft-len", "3",
-                  "--rollback", rollback)
+        run = cli(*prompt, "--draft", draft, "--draft-len", "3", "--rollback", rollback)
         out = json.loads(run.stdout)
         assert out["tokens"] == plain["tokens"]
         assert {"target_calls", "proposed", "accepted", "tokens_per_call", "accepted_by_position",
@@ -82,7 +84,7 @@ def broken_model(tmp_path, breakage):
     elif breakage == "config":
         (model / "config.json").write_text("{not json")
     elif breakage in ("missing", "misshaped", "unexpected"):
-        from safetensors.numpy import load_file, save_file
+        from safetensors.torch import load_file, save_file        # the default model is bf16, which numpy lacks
         tensors = load_file(weights)
         name = "model.layers.2.linear_attn.A_log"
         if breakage == "missing":
@@ -90,7 +92,7 @@ def broken_model(tmp_path, breakage):
         elif breakage == "misshaped":
             tensors[name] = tensors[name][:-1]
         else:
-            tensors["model.layers.2.linear_attn.extra"] = tensors[name]
+            tensors["model.layers.2.linear_attn.extra"] = tensors[name].clone()
         save_file(tensors, weights)
     return str(model)
 
@@ -114,8 +116,8 @@ ERRORS = [
     (lambda p: ["--prompt", ""], "the prompt is empty"),
     (lambda p: ["--prompt-ids", ""], "the prompt is empty"),
     (lambda p: ["--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated integers"),
-    (lambda p: ["--prompt-ids", "1,272"], r"prompt token id 272 is outside the vocabulary \[0, 272\)"),
-    (lambda p: ["--prompt-ids", ",".join(["1"] * 513)], "the prompt has 513 tokens, more than max_position_embeddings=512"),
+    (lambda p: ["--prompt-ids", "1,4096"], r"prompt token id 4096 is outside the vocabulary \[0, 4096\)"),
+    (lambda p: ["--prompt-ids", ",".join(["1"] * 4097)], "the prompt has 4097 tokens, more than max_position_embeddings=4096"),
     (lambda p: ["--prompt", "x", "--prompt-ids", "1"], "give exactly one of --prompt and --prompt-ids"),
     (lambda p: ["--prompt", "x", "--draft", "tree"], "--draft 'tree': expected none, ngram, mtp, skip:N or model:DIR"),
     (lambda p: ["--prompt", "x", "--draft", "skip:99"], r"--draft skip:99: N must be in \[1, 8\]"),

@@ -12,6 +12,7 @@ from safetensors.torch import save_file as save_torch
 import reference as R
 from conftest import ROOT
 from hf_models import build, text_config
+from weights import make_tiny
 
 DENSE = json.loads((ROOT / "weights" / "tiny-dense" / "config.json").read_text())
 
@@ -153,3 +154,9 @@ def test_misshaped_per_expert_tensor_is_an_error(tmp_path):
     save_file(tensors, weights)
     with pytest.raises(R.UserError, match=r"mtp.layers.0.mlp.experts.\*.\*_proj.weight differ in shape"):
         R.load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", list(make_tiny.CHECKPOINTS))
+def test_tiny_checkpoints_are_what_make_tiny_writes(name, tmp_path):
+    make_tiny.write_checkpoint(name, tmp_path)
+    assert make_tiny.digest(tmp_path) == make_tiny.digest(ROOT / "weights" / name)

@@ -1,4 +1,5 @@
-"""Write the tiny random Qwen3.5 checkpoints in weights/, in the Hugging Face layout, byte for byte reproducibly.
+"""Write the tiny random Qwen3.5 checkpoints in weights/, in the Hugging Face layout, byte for byte reproducibly
+(the embedded default model is trained instead: weights/train.py).
 
     python weights/make_tiny.py            # rewrite all of them
     python weights/make_tiny.py --check    # verify the committed files are what this script writes
@@ -40,7 +41,6 @@ MOE = dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"
 # name -> (config changes, options). Options: mtp (write mtp.* tensors), multimodal (the Qwen3_5ForConditionalGeneration
 # layout: nested text_config, `model.language_model.` prefix), per_expert (unfused MoE experts, as some MTP layers are).
 CHECKPOINTS = {
-    "default": (dict(num_hidden_layers=8, mtp_num_hidden_layers=1), {"mtp": True}),
     "tiny-mtp": (dict(num_hidden_layers=8, mtp_num_hidden_layers=1), {"mtp": True}),
     "tiny-dense": (dict(tie_word_embeddings=False), {}),
     "tiny-moe": (dict(MOE, tie_word_embeddings=False), {}),

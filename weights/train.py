@@ -1,11 +1,11 @@
 """Train the embedded default model: a Qwen3.5-architecture model (6 Gated DeltaNet + 2 gated attention layers) with
 one MTP layer trained jointly, on the Python standard library's own source, and write it in the Hugging Face layout.
 
-    python weights/train.py --out weights/default            # about 100 minutes on 2 CPU cores
+    python weights/train.py --out weights/default            # about 50 minutes on 2 idle CPU cores
     python weights/train.py --out /tmp/smoke --steps 3 --batch 2
 
 Main loss: next token (t+1). MTP loss: the pair (hidden_t, token_{t+1}) predicts token_{t+2}, as Qwen3.5's MTP head
-is trained (weight MTP_WEIGHT). The forward is jax_impl's, vmapped over the batch; the optimizer is optax AdamW.
+is trained (weight MTP_WEIGHT). The forward is jax_impl's, mapped over the batch; the optimizer is optax AdamW.
 Deterministic for a given seed, corpus and software versions (weights/README.md says how close reruns land).
 """
 
@@ -196,7 +196,7 @@ def write_checkpoint(out, flat, tokenizer):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=900)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
