@@ -26,6 +26,9 @@ TOLERANCES = json.loads((HERE / "tolerances.json").read_text())
 # An engine's arithmetic (Engine.precision). fp32 is the top-level bounds of tolerances.json; each other precision
 # names the profile that replaces them, in each output kind that has one.
 PRECISIONS = ("fp32", "bf16")
+# Trained checkpoints (weights/README.md). On the random ones bf16 rounding moves whole-model outputs by units, so
+# their logits and states have the `bf16_random` profile (tolerances.json says why).
+TRAINED_CHECKPOINTS = ("default",)
 
 # Every feature a case may require. An engine declares the ones it supports; a case needing any other is SKIP.
 FEATURES = {
@@ -117,10 +120,19 @@ def bounds(tolerance):
     return {k: bounds(v) if isinstance(v, dict) else v for k, v in tolerance.items() if k != "why"}
 
 
+def output_bounds(kind, checkpoint):
+    """tolerances.json's entry for an output kind; on a random checkpoint its `bf16_random` profile is the bf16 one."""
+    entry = bounds(TOLERANCES[kind])
+    random = entry.pop("bf16_random", None)
+    if random is not None and checkpoint not in TRAINED_CHECKPOINTS:
+        entry["bf16"] = random
+    return entry
+
+
 def manifest(case, file_digests):
     outputs = {}
     for name, out in sorted(case.outputs.items()):
-        entry = {"tolerance": out.tolerance, **bounds(TOLERANCES[out.tolerance])}
+        entry = {"tolerance": out.tolerance, **output_bounds(out.tolerance, case.checkpoint)}
         if out.requires:
             entry["requires"] = out.requires
         if out.ties:

@@ -19,8 +19,9 @@ from conformance.format import (MANIFEST, TOLERANCES, Case, Output, checkpoint_d
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
                "tiny-draft")
-TEXT = ("Once upon a time, a hybrid model kept three layers of Gated DeltaNet for every layer of attention, "
-        "and it decoded one token after another until the story was done.")
+TEXT = ('def decode(model, state, tokens):\n    """Three layers of Gated DeltaNet for every layer of attention: '
+        'one token after another, the state carried along."""\n    for token in tokens:\n'
+        '        logits, state = model.step(state, token)\n    return logits, state\n')
 DRAFT_LEN = 4                     # K
 GREEDY = R.Sampling(0.0, 0, 1.0)
 
@@ -433,7 +434,7 @@ def speculative_cases():
     yield from spec_greedy_cases("tiny-mtp", range(DRAFT_LEN + 1))
     yield from spec_sampling_cases("tiny-mtp", [(0, R.Sampling(1.0, 0, 1.0)), (2, R.Sampling(0.8, 40, 1.0)),
                                                (4, R.Sampling(0.7, 0, 0.9))])
-    for checkpoint in ("tiny-moe", "tiny-odd", "tiny-multimodal"):
+    for checkpoint in ("tiny-moe", "tiny-odd", "tiny-multimodal", "default"):
         yield from spec_greedy_cases(checkpoint, [2])
 
 
