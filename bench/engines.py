@@ -61,8 +61,10 @@ def llama_cpp_engine(model_dir, prompt, new_tokens):
     """llama-cpp-python on the checkpoint converted to an f32 GGUF (conformance's converter), f32 KV cache."""
     import llama_cpp
     from conformance.engines.llama_cpp import gguf_file
+    # logits_all: without it llama-cpp-python 0.3.36 leaves the prompt's last row of `scores` zero (first token 0)
     llm = llama_cpp.Llama(str(gguf_file(model_dir)), n_ctx=len(prompt) + new_tokens + 8, n_batch=512, n_threads=2,
-                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, verbose=False)
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, logits_all=True,
+                          verbose=False)
     start = time.perf_counter()
     llm.eval(prompt)
     tokens = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
