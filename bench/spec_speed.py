@@ -25,19 +25,15 @@ PROMPT = ("Repeat this code, renaming total to result:\n"
           "def total(values):\n    result = 0\n    for v in values:\n        result += v\n    return result\n\n"
           "def total(values):\n")
 
-MODELS = {  # name -> (checkpoint dir, drafter model dir for model:DIR)
-    "default": (ROOT / "weights" / "default", ROOT / "weights" / "tiny-draft"),
-    "30m": (None, None),  # random checkpoints, written on demand by bench/checkpoints.py
+MODELS = {  # name -> (checkpoint dir, drafter model dir for model:DIR, or None: no smaller model shares its vocabulary)
+    "default": lambda: (ROOT / "weights" / "default", None),
+    "30m": lambda: (checkpoint("30m"), checkpoint("30m-draft")),  # random, written on demand by bench/checkpoints.py
 }
 
 
-def model_dirs(name):
-    target, draft = MODELS[name]
-    return (target, draft) if target else (checkpoint(name), checkpoint(f"{name}-draft"))
-
-
 def drafter_specs(cfg, draft_dir):
-    return [("ngram", 4), ("mtp", 2), (f"skip:{max(cfg.num_hidden_layers // 4, 1)}", 4), (f"model:{draft_dir}", 4)]
+    skip = f"skip:{max(cfg.num_hidden_layers // 4, 1)}"
+    return [("ngram", 4), ("mtp", 2), (skip, 4)] + ([(f"model:{draft_dir}", 4)] if draft_dir else [])
 
 
 def decode_seconds(stats):
@@ -52,9 +48,9 @@ def run(params, cfg, prompt, new_tokens, drafter=None, draft_len=0, rollback="re
 
 
 def bench_model(name, new_tokens):
-    target_dir, draft_dir = model_dirs(name)
+    target_dir, draft_dir = MODELS[name]()
     cfg, params = R.load_model(target_dir)
-    cfg = R.replace(cfg, eos_token_id=())            # random weights: never stop early
+    cfg = R.replace(cfg, eos_token_id=())            # full-length runs: never stop early
     prompt = R.load_tokenizer(target_dir).encode(PROMPT).ids
     plain, plain_stats = run(params, cfg, prompt, new_tokens)
     plain_s = decode_seconds(plain_stats)
