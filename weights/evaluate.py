@@ -5,11 +5,12 @@
 For each held-out file a prompt is cut (its first --prompt-len tokens) and continued greedily with jax_impl:
 plain decoding, the MTP head (K = 1, 2, 3), n-gram copying (K = 4), and n-gram copying backed by the seed's "free
 drafts" (an offline table of the model's own greedy continuations of training-file prompts). It prints acceptance
-per draft position, tokens per target call and checks that every speculative run gives plain decoding's tokens; then three greedy
-continuations of fixed prompts for the card. The chance baseline of a draft is 1 / vocabulary size.
+per draft position, tokens per target call and checks that every speculative run gives plain decoding's tokens;
+then three greedy continuations of fixed prompts for the card. The chance baseline of a draft is 1 / vocabulary size.
 """
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -30,21 +31,19 @@ TABLE_PROMPTS = 96
 def prompts_of(texts, tokenizer, count, length):
     """The first `length` tokens of the first `count` texts long enough for them."""
     prompts = (tokenizer.encode(text).ids[:length] for text in texts)
-    return [p for p in prompts if len(p) == length][:count]
+    return list(itertools.islice((p for p in prompts if len(p) == length), count))
 
 
-def free_draft_table(params, cfg, tokenizer, length, new_tokens):
-    """reference.build_ngram_table over the model's greedy continuations of TABLE_PROMPTS training-file prompts."""
-    train, _, _ = corpus()
-    prompts = prompts_of(train, tokenizer, TABLE_PROMPTS, length)
+def free_draft_table(params, cfg, prompts, new_tokens):
+    """reference.build_ngram_table over the model's greedy continuations of (training-file) prompts."""
     return R.build_ngram_table([p + jax_impl.generate(params, cfg, p, new_tokens)[0] for p in prompts])
 
 
-def evaluate(model_dir, tokenizer, prompts, new_tokens):
+def evaluate(model_dir, prompts, table_prompts, new_tokens):
     cfg, params = jax_impl.load(model_dir)
     cfg = R.replace(cfg, eos_token_id=())          # measure full-length continuations
     plain = [jax_impl.generate(params, cfg, p, new_tokens)[0] for p in prompts]
-    table = free_draft_table(params, cfg, tokenizer, len(prompts[0]), new_tokens)
+    table = free_draft_table(params, cfg, table_prompts, new_tokens)
     results = {}
     for draft, K, with_table in DRAFTERS:
         label = f"{draft}{' + free-draft table' if with_table else ''} K={K}"
@@ -91,10 +90,12 @@ def main():
     args = ap.parse_args()
     tokenizer = R.load_tokenizer(args.model)
     cfg = R.load_config(args.model)
-    prompts = prompts_of(corpus()[1], tokenizer, args.prompts, args.prompt_len)
+    train, held_out, _ = corpus()
+    prompts = prompts_of(held_out, tokenizer, args.prompts, args.prompt_len)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens each, greedy; "
           f"chance acceptance 1/{cfg.vocab_size} = {1 / cfg.vocab_size:.2%}", flush=True)
-    results = {"speculative": evaluate(args.model, tokenizer, prompts, args.new_tokens),
+    table_prompts = prompts_of(train, tokenizer, TABLE_PROMPTS, args.prompt_len)
+    results = {"speculative": evaluate(args.model, prompts, table_prompts, args.new_tokens),
                "continuations": continuations(args.model, tokenizer)}
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

@@ -1,10 +1,10 @@
 """mlx-lm (the mlx CPU backend on Linux, float32) as a peer engine.
 
-Whole-model cases load a float32 copy of the checkpoint directory with mlx_lm.utils.load_model and run through the model's cache
-(a KVCache per attention layer, an ArraysCache of conv window and recurrent state per Gated DeltaNet layer), which is
-also what export_state reads. Flat text configs (model_type qwen3_5_text / qwen3_5_moe_text) name no mlx-lm module,
-so their model_type is overridden with the module that handles them. expectations/mlx.json says what is unsupported
-and what mlx-lm gets wrong.
+Whole-model cases load a float32 copy of the checkpoint directory with mlx_lm.utils.load_model and run through the
+model's cache (a KVCache per attention layer, an ArraysCache of conv window and recurrent state per Gated DeltaNet
+layer), which is also what export_state reads. Flat text configs (model_type qwen3_5_text / qwen3_5_moe_text) name
+no mlx-lm module, so their model_type is overridden with the module that handles them. expectations/mlx.json says
+what is unsupported and what mlx-lm gets wrong.
 """
 
 import json
