@@ -178,7 +178,6 @@ def test_report_writes_markdown_and_plots(tmp_path, capsys):
     main(["report", "--out", str(tmp_path)])
     text = (tmp_path / "report.md").read_text()
     assert "N / (0.75·N + 0.25)" in text and "| 9B | replay |" in text
-    pytest.importorskip("matplotlib")
     for plot in ("speedup_vs_acceptance.png", "verify_cost_vs_K.png", "memory_vs_K.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
     main(["predict", "35B-A3B", "--hardware", "M4-Max"])
