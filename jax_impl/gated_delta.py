@@ -42,10 +42,13 @@ def gated_delta_recurrent(q, k, v, g, beta, initial_state):
 
 def solve_unit_lower(A, B):  # (Hv, C, C) strictly lower, (Hv, C, N) -> X (Hv, C, N) with (I + A) X = B
     """Forward substitution, row by row. Not a LAPACK triangular solve: on XLA:CPU (jax 0.10.2) its custom call
-    intermittently deadlocks the runtime (seen in training steps and in the gradient through this scan)."""
+    intermittently deadlocks the runtime (seen in training steps and in the gradient through this scan).
+    A verify pass's few rows are unrolled: there a loop iteration costs more than a row (on a GPU, a round trip
+    to the host); a prefill chunk's 64 rows stay a loop."""
     def row(X, i):
         return X.at[:, i].set(B[:, i] - jnp.einsum("hj,hjn->hn", A[:, i], X)), None
-    return lax.scan(row, jnp.zeros_like(B), jnp.arange(B.shape[1]))[0]
+    C = B.shape[1]
+    return lax.scan(row, jnp.zeros_like(B), jnp.arange(C), unroll=C <= 16)[0]
 
 
 def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
@@ -90,14 +93,14 @@ def delta_states(S0, tape):  # (Hv, Dk, Dv), Tape of T steps -> (T, Hv, Dk, Dv)
 
 
 def replay(S0, tape, n):  # (Hv, Dk, Dv), Tape of T steps, traced steps n <= T -> (Hv, Dk, Dv)
-    """Rebuild the state after n steps: decay and rank-1 updates only, a fixed-length scan masked by t < n."""
+    """Rebuild the state after n steps: reference.replay's loop of decays and rank-1 updates, summed in closed form
+    (as delta_states, at t = n only) and masked by j < n. One contraction, no loop: a loop costs an iteration per
+    step (on a GPU, a round trip to the host): as a scan, replay took 49% of a verify pass on an H200."""
     k = jnp.repeat(tape.k, tape.g.shape[1] // tape.k.shape[1], axis=1)                      # (T, Hv, Dk)
-
-    def step(S, x):
-        t, k_t, g_t, delta_t = x
-        updated = jnp.exp(g_t)[:, None, None] * S + jnp.einsum("hk,hv->hkv", k_t, delta_t)
-        return jnp.where(t < n, updated, S), None
-    return lax.scan(step, S0, (jnp.arange(len(k)), k, tape.g, tape.delta))[0]
+    gamma = jnp.concatenate([jnp.zeros_like(tape.g[:1]), jnp.cumsum(tape.g, axis=0)])      # (T+1, Hv) after t steps
+    live = (jnp.arange(len(k)) < n)[:, None]                                                # (T, 1)
+    decay = jnp.exp(jnp.where(live, gamma[n] - gamma[1:], -jnp.inf))                        # (T, Hv) step j to n
+    return jnp.exp(gamma[n])[:, None, None] * S0 + jnp.einsum("jh,jhk,jhv->hkv", decay, k, tape.delta)
 
 
 def conv_window(window, qkv, n):  # (W-1, C), (T, C), traced n -> (W-1, C): the conv window after n of the T steps

@@ -166,14 +166,15 @@ def mtp_init(params, cfg, buf, prompt_len, hidden, table):
 
 def mtp_propose(params, cfg, draft_state, buf, ntok, K, sampling, key):
     """Chain the head K times on its own output hidden state and drafted token; the chain's KV is dropped (the kept
-    state covers committed pairs only; later writes overwrite it). The K-th forward is unused, a fixed-shape cost."""
+    state covers committed pairs only; later writes overwrite it). The K-th forward is unused, a fixed-shape cost.
+    The chain is unrolled: K is small and static, and a loop iteration costs a round trip to the host on a GPU."""
     def step(carry, key):
         h, state = carry
         token, q = draw(lm_head(params, h), sampling, key)
         out, state = mtp_hidden(params, cfg, token[None], h[None], state)
         return (out[0], state), (token, q)
     state, h = draft_state
-    _, (drafts, q) = lax.scan(step, (h, state), jax.random.split(key, K))
+    _, (drafts, q) = lax.scan(step, (h, state), jax.random.split(key, K), unroll=True)
     return drafts, q, K
 
 
