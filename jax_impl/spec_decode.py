@@ -53,6 +53,8 @@ def sample(p, u):  # (V,), uniform in [0, 1) -> token id
 
 def draw(logits, sampling, key):  # (V,) -> token, its distribution (V,)
     p = probabilities(logits, sampling)
+    if sampling.temperature == 0:  # the argmax, which sample() would find in the one-hot, without its search over V
+        return jnp.argmax(logits).astype(jnp.int32), p
     return sample(p, jax.random.uniform(key)), p
 
 
