@@ -1,7 +1,9 @@
 """Plain greedy decoding in each engine, timed the same way: fn(model_dir, prompt, new_tokens) -> Run.
 
-Batch 1, fp32, greedy, EOS ignored; prefill (the prompt's forward and the first token) and decode (the remaining
+Batch 1, greedy, EOS ignored; prefill (the prompt's forward and the first token) and decode (the remaining
 new_tokens - 1 forwards) are timed apart. Peers are imported on first use, so a missing one fails only its column.
+jax_impl and transformers take `dtype` ("float32", "bfloat16") and run on the accelerator when there is one
+(TAKES_DTYPE); reference.py and llama.cpp always run fp32 on the CPU.
 """
 
 import time
@@ -31,30 +33,39 @@ def reference_engine(model_dir, prompt, new_tokens):
     return Run(tokens, stats["seconds"]["prefill"], stats["seconds"]["decode"])
 
 
-def jax_engine(model_dir, prompt, new_tokens, **spec):
+def jax_engine(model_dir, prompt, new_tokens, dtype="float32", **spec):
     """jax_impl's on-device generate loop; spec: draft, draft_len, rollback. Compile time reported apart."""
     import jax_impl
-    cfg, params = jax_impl.load(model_dir)
+    cfg, params = jax_impl.load(model_dir, dtype)
     cfg = R.replace(cfg, eos_token_id=())
     tokens, stats = jax_impl.generate(params, cfg, prompt, new_tokens, **spec)
     s = stats["seconds"]
     return Run(tokens, s["prefill"], s["decode"], s["compile"], stats)
 
 
-def transformers_engine(model_dir, prompt, new_tokens):
+def transformers_engine(model_dir, prompt, new_tokens, dtype="float32"):
+    """On a GPU, one short run first: its first calls build kernels (triton, cuBLAS), which is not decode time."""
     import torch
     from transformers import AutoModelForCausalLM
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+
+    @torch.no_grad()
+    def greedy(new_tokens):
         start = time.perf_counter()
-        out = model(torch.tensor([prompt]), use_cache=True)
-        tokens = [int(out.logits[0, -1].argmax())]
+        out = model(torch.tensor([prompt], device=device), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]      # int() waits for the device
         prefilled = time.perf_counter()
         while len(tokens) < new_tokens:
-            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([tokens[-1:]], device=device), past_key_values=out.past_key_values,
+                        use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
-    return Run(tokens, prefilled - start, time.perf_counter() - prefilled)
+        return Run(tokens, prefilled - start, time.perf_counter() - prefilled)
+    if device == "cuda":
+        greedy(3)
+    return greedy(new_tokens)
 
 
 def llama_cpp_engine(model_dir, prompt, new_tokens):
@@ -75,5 +86,6 @@ def llama_cpp_engine(model_dir, prompt, new_tokens):
     return Run(tokens, prefilled - start, time.perf_counter() - prefilled)
 
 
+TAKES_DTYPE = {"jax", "transformers"}
 ENGINES = {"reference": reference_engine, "jax": jax_engine, "llama.cpp": llama_cpp_engine,
            "transformers": transformers_engine}
