@@ -10,7 +10,8 @@ Differences from the reference, all forced by fixed shapes:
   * forward takes `valid`: only the first `valid` of the T tokens count (prompt padded to a bucket). The padding
     gets beta = g = 0, which leaves the DeltaNet state unchanged, and the conv window is cut at `valid`.
   * Activations take the weights' dtype (fp32 or bf16); the DeltaNet rule, its state and the logits stay fp32.
-  * 2-D weights come transposed, (in, out) (see weights.py), so the reference's `x @ W.T` reads `x @ W` here.
+  * 2-D weights come transposed, (in, out) (see weights.py), so the reference's `x @ W.T` reads `matmul(x, W)` here
+    (matvec.py: XLA's dot, or on a CPU the threaded kernel for decode's and verify's few rows).
 """
 
 from functools import partial
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from reference import AttnState, DeltaState, State, Tape
+from .matvec import matmul, matmuls
 from .gated_delta import (conv_window, conv_windows, delta_states, gated_delta_chunked, gated_delta_step,
                           gva_heads, replay)
 
@@ -87,34 +89,35 @@ def gated_deltanet(x, state, valid, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_p
                    norm, out_proj):  # (T, D) -> (T, D), DeltaState, Tape
     T = x.shape[0]
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv = x @ in_proj_qkv                                                     # (T, C)
+    qkv, z, b, a = matmuls(x, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)   # (T, C), (T, Hv*Dv), (T, Hv), (T, Hv)
     mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :], valid)       # (T, C), (W-1, C)
     mixed = jax.nn.silu(mixed.astype(f32))
     q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
     k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
     v = mixed[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)                              # (T, Hv, Dv)
     live = (jnp.arange(T) < valid)[:, None]                                    # (T, 1)  padding writes nothing
-    beta = jnp.where(live, jax.nn.sigmoid((x @ in_proj_b).astype(f32)), 0)   # (T, Hv)  write strength
-    g = jnp.where(live, -jnp.exp(A_log.astype(f32)) * jax.nn.softplus((x @ in_proj_a).astype(f32)
-                                                                     + dt_bias.astype(f32)), 0)  # (T, Hv) log decay
+    beta = jnp.where(live, jax.nn.sigmoid(b.astype(f32)), 0)                   # (T, Hv)  write strength
+    g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))  # (T, Hv) log decay, < 0
+    g = jnp.where(live, g, 0)
     if T == 1:                                                                 # decode: the one-step recurrence
         q1, k1 = gva_heads(q, k, Hv)
         o, S, delta = gated_delta_step(state.S, q1[0], k1[0], v[0], g[0], beta[0])
         o, delta = o[None], delta[None]
     else:                                                                      # prefill, verify: chunked
         o, S, delta = gated_delta_chunked(q, k, v, g, beta, state.S)           # (T, Hv, Dv)
-    z = (x @ in_proj_z).reshape(T, Hv, Dv)                                   # (T, Hv, Dv)  output gate
+    z = z.reshape(T, Hv, Dv)                                                   # (T, Hv, Dv)  output gate
     y = rms_norm_gated(o, z, norm, cfg.rms_norm_eps).reshape(T, Hv * Dv)
-    return y @ out_proj, DeltaState(conv, S), Tape(qkv, k, g, delta)
+    return matmul(y, out_proj), DeltaState(conv, S), Tape(qkv, k, g, delta)
 
 
 def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):  # (T, D) -> (T, D)
     T, Hq, Hkv, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    query_gate = (x @ q_proj).reshape(T, Hq, 2 * Dh)           # per head: [query | gate]
+    query_gate, k, v = matmuls(x, q_proj, k_proj, v_proj)
+    query_gate = query_gate.reshape(T, Hq, 2 * Dh)                # per head: [query | gate]
     q = rms_norm(query_gate[..., :Dh], q_norm, cfg.rms_norm_eps)  # (T, Hq, Dh)
     gate = query_gate[..., Dh:].reshape(T, Hq * Dh)               # (T, Hq*Dh)
-    k = rms_norm((x @ k_proj).reshape(T, Hkv, Dh), k_norm, cfg.rms_norm_eps)  # (T, Hkv, Dh)
-    v = (x @ v_proj).reshape(T, Hkv, Dh)                        # (T, Hkv, Dh)
+    k = rms_norm(k.reshape(T, Hkv, Dh), k_norm, cfg.rms_norm_eps)  # (T, Hkv, Dh)
+    v = v.reshape(T, Hkv, Dh)                                     # (T, Hkv, Dh)
     q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
     keys = lax.dynamic_update_slice_in_dim(state.k, k.astype(state.k.dtype), positions[0], 0)    # (S, Hkv, Dh)
     values = lax.dynamic_update_slice_in_dim(state.v, v.astype(state.v.dtype), positions[0], 0)
@@ -123,24 +126,25 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     visible = jnp.arange(len(keys))[None, :] <= positions[:, None]              # (T, S) causal; hides stale slots
     weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
     out = jnp.einsum("kgts,skd->tkgd", weights.astype(values.dtype), values).reshape(T, Hq * Dh)  # (T, Hq*Dh)
-    return (out * jax.nn.sigmoid(gate)) @ o_proj, AttnState(keys, values)
+    return matmul(out * jax.nn.sigmoid(gate), o_proj), AttnState(keys, values)
 
 
 def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
-    return (jax.nn.silu(x @ gate_proj) * (x @ up_proj)) @ down_proj
+    gate, up = matmuls(x, gate_proj, up_proj)
+    return matmul(jax.nn.silu(gate) * up, down_proj)
 
 
 def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T, D) -> (T, D)
     """Softmax router, top-k renormalised, plus a gated shared expert. Each token gathers only its k experts'
     weights (e indexes the chosen ones), so a decode step reads k experts, not E."""
-    probs = jax.nn.softmax((x @ gate).astype(f32), axis=-1)                # (T, E)
+    probs = jax.nn.softmax(matmul(x, gate).astype(f32), axis=-1)              # (T, E)
     top_weights, top = lax.top_k(probs, cfg.num_experts_per_tok)             # (T, k); ties go to the lower index
     top_weights = top_weights / top_weights.sum(axis=-1, keepdims=True)
     F = cfg.moe_intermediate_size
     gate_up = jnp.einsum("td,tefd->tef", x, experts["gate_up_proj"][top])    # (T, k, 2F)  gate rows first
     y = jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]                     # (T, k, F)
     out = jnp.einsum("te,tef,tedf->td", top_weights.astype(x.dtype), y, experts["down_proj"][top])
-    return out + jax.nn.sigmoid(x @ shared_expert_gate) * mlp(x, **shared_expert)
+    return out + jax.nn.sigmoid(matmul(x, shared_expert_gate)) * mlp(x, **shared_expert)
 
 
 def decoder_layer(x, kind, layer, state, positions, valid, cfg):  # (T, D) -> (T, D), layer state, Tape or None
@@ -155,7 +159,7 @@ def decoder_layer(x, kind, layer, state, positions, valid, cfg):  # (T, D) -> (T
 
 
 def lm_head(params, hidden):  # (..., D) -> (..., V) fp32
-    return jnp.matmul(hidden, params["lm_head"], preferred_element_type=f32)
+    return matmul(hidden, params["lm_head"], preferred_element_type=f32)
 
 
 def forward_hidden(params, cfg, tokens, state, valid=None):

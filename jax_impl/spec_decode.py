@@ -18,6 +18,8 @@ from jax import lax
 import reference
 from reference import AttnState, Sampling, State
 from .model import empty_state, forward_hidden, decoder_layer, lm_head, rms_norm, verify_forward, commit
+from . import matvec
+from .matvec import matmul
 from .sharding import constrain_state, fetch, put, replicated
 
 f32 = jnp.float32
@@ -153,7 +155,7 @@ def mtp_hidden(params, cfg, tokens, hidden, state, valid=None):  # (T,), (T, D) 
     m, valid = params["mtp"], tokens.shape[0] if valid is None else valid
     e = rms_norm(params["embed_tokens"][tokens], m["pre_fc_norm_embedding"], cfg.rms_norm_eps)
     h = rms_norm(hidden, m["pre_fc_norm_hidden"], cfg.rms_norm_eps)
-    x = jnp.concatenate([e, h], axis=-1) @ m["fc"]                                          # (T, D)
+    x = matmul(jnp.concatenate([e, h], axis=-1), m["fc"])                                  # (T, D)
     positions = state.length + jnp.arange(len(x), dtype=jnp.int32)
     x, layer_state, _ = decoder_layer(x, "full_attention", m["layers"][0], state.layers[0], positions, valid, cfg)
     return rms_norm(x, m["norm"], cfg.rms_norm_eps), State((layer_state,), state.length + valid)
@@ -300,9 +302,9 @@ _compiled = {}
 
 
 def compiled(fn, donate, cfg, statics, *args):
-    """fn(params, cfg, *rest, **statics) jit-compiled for cfg, the statics and the argument shapes -> (executable
-    taking the arguments but cfg, whether it was compiled now)."""
-    key = (fn, cfg, tuple(statics.items()), jax.tree.structure(args),
+    """fn(params, cfg, *rest, **statics) jit-compiled for cfg, the statics, the argument shapes and the matvec mode
+    -> (executable taking the arguments but cfg, whether it was compiled now)."""
+    key = (fn, cfg, matvec.mode, tuple(statics.items()), jax.tree.structure(args),
            tuple((np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(args)))
     fresh = key not in _compiled
     if fresh:
