@@ -43,6 +43,17 @@ def jax_engine(model_dir, prompt, new_tokens, dtype="float32", **spec):
     return Run(tokens, s["prefill"], s["decode"], s["compile"], stats)
 
 
+def jax_xla_dot_engine(model_dir, prompt, new_tokens, dtype="float32"):
+    """jax_impl with XLA's dot for decode's products too (--matvec xla): what the CPU matvec kernel adds."""
+    from jax_impl import matvec
+    previous = matvec.mode
+    matvec.set_mode("xla")
+    try:
+        return jax_engine(model_dir, prompt, new_tokens, dtype)
+    finally:
+        matvec.set_mode(previous)
+
+
 def transformers_engine(model_dir, prompt, new_tokens, dtype="float32"):
     """On a GPU, one short run first: its first calls build kernels (triton, cuBLAS), which is not decode time."""
     import torch
@@ -86,6 +97,6 @@ def llama_cpp_engine(model_dir, prompt, new_tokens):
     return Run(tokens, prefilled - start, time.perf_counter() - prefilled)
 
 
-TAKES_DTYPE = {"jax", "transformers"}
-ENGINES = {"reference": reference_engine, "jax": jax_engine, "llama.cpp": llama_cpp_engine,
-           "transformers": transformers_engine}
+TAKES_DTYPE = {"jax", "jax-xla-dot", "transformers"}
+ENGINES = {"reference": reference_engine, "jax": jax_engine, "jax-xla-dot": jax_xla_dot_engine,
+           "llama.cpp": llama_cpp_engine, "transformers": transformers_engine}

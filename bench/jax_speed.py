@@ -3,8 +3,9 @@ checkpoint (bench/checkpoints.py), batch 1, greedy, a 64-token prompt that invit
 
     python bench/jax_speed.py [--models default 30m] [--repeats 3] [--dtype float32] [--engines ...]
 
-1. plain decode: tok/s of reference.py, jax_impl, llama.cpp and transformers, and the memory-bandwidth roofline
-   (weight bytes read per token / this machine's measured GEMV bandwidth);
+1. plain decode: tok/s of reference.py, jax_impl, jax_impl with XLA's dot for every product (jax-xla-dot: without
+   the CPU matvec kernel), llama.cpp and transformers, and the memory-bandwidth roofline (weight bytes read per
+   token / this machine's measured GEMV bandwidth);
 2. speculative decoding in jax_impl per drafter and rollback: wall-clock speedup over its own plain decode (decode
    phase: prefill excluded from both), tokens per target call, exactness;
 3. rollback: a replay or per-position commit as a share of one verify step, both timed on device.
@@ -105,7 +106,7 @@ def plain_decode(model_dir, prompt, new_tokens, repeats, bandwidth, dtype, engin
         compile_s = f", compile {r.compile_s:.1f} s" if r.compile_s else ""
         print(f"{name:>14}: {r.decode_tok_s:8.1f} tok/s ({r.decode_tok_s / roofline:4.0%} of roofline), prefill "
               f"{r.prefill_s * 1e3:7.1f} ms{compile_s}; {same}", flush=True)
-    for peer in ("reference", "llama.cpp", "transformers"):
+    for peer in ("reference", "jax-xla-dot", "llama.cpp", "transformers"):
         if peer in runs:
             print(f"{'jax / ' + peer:>24}: {runs['jax'].decode_tok_s / runs[peer].decode_tok_s:.2f}x")
     return runs["jax"]

@@ -1,6 +1,7 @@
 """python -m jax_impl: reference.py's command line (same flags, same JSON) on the JAX engine, plus
     --dtype {float32,bfloat16}   weights and activations (the DeltaNet state stays fp32)
     --devices N                  tensor-parallel over N devices (a "tp" mesh)
+    --matvec {auto,xla}          decode's and verify's products on a CPU: the threaded kernel (matvec.py) or XLA's dot
     --coordinator HOST:PORT --num-processes N --process-id I   join a multi-host run (jax.distributed)
 The whole generate loop runs on device, so text comes out at the end, not streamed. --draft takes none, ngram or
 mtp (skip:N and model:DIR are reference.py only: exit 2). Compile time is reported apart from run time.
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 
 import reference
+from . import matvec
 from .model import empty_state, prefill
 from .sharding import initialize_distributed, make_mesh
 from .spec_decode import generate
@@ -26,6 +28,8 @@ def parse_args(argv):
                                    description="JAX engine flags; every reference.py flag is accepted too.")
     ours.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
     ours.add_argument("--devices", type=int, default=1, help="tensor-parallel devices (1: no mesh)")
+    ours.add_argument("--matvec", choices=matvec.MODES, default=matvec.mode,
+                      help="decode's and verify's products on a CPU: auto (the threaded kernel) or xla (XLA's dot)")
     ours.add_argument("--coordinator", help="multi-host: address of process 0, HOST:PORT")
     ours.add_argument("--num-processes", type=int)
     ours.add_argument("--process-id", type=int)
@@ -51,6 +55,7 @@ def summary(stats):
 def run(args):
     if args["coordinator"]:
         initialize_distributed(args["coordinator"], args["num_processes"], args["process_id"])
+    matvec.set_mode(args["matvec"])
     mesh = make_mesh(args["devices"]) if args["devices"] != 1 else None
     cfg, params = load(args["model"], args["dtype"], mesh)
     tokenizer = reference.load_tokenizer(args["model"])
