@@ -44,15 +44,16 @@ def test_products_within_the_fp32_error_bound(rows, K, N, seed):
 
 
 def test_same_bits_however_the_work_is_split():
-    """A small product runs on one thread alone, on two threads next to a large one; a matrix alone or in a group:
-    each output is the same bits (fixed chunks, partials added in chunk order)."""
+    """A small product runs on one thread alone, on two threads next to a large one; a matrix alone or in a group;
+    5 rows (verify: vectors of w shared by the rows) or 1 row at a time: each output is the same bits (fixed chunks,
+    partials added in chunk order, one shape of sum per 8 rows of w)."""
     rng = np.random.default_rng(0)
-    x, large, small, odd = random(rng, 3, 1000), random(rng, 1000, 512), random(rng, 1000, 4), random(rng, 1000, 37)
+    x, large, small, odd = random(rng, 5, 1000), random(rng, 1000, 512), random(rng, 1000, 4), random(rng, 1000, 37)
     alone = [jax.jit(matvec.matmul)(x, w) for w in (large, small, odd)]
     grouped = jax.jit(lambda x, *ws: matvec.matmuls(x, *ws))(x, large, small, odd)
     for a, b in zip(alone, grouped):
         np.testing.assert_array_equal(a, b)
-    rows = [jax.jit(matvec.matmul)(x[i:i + 1], large)[0] for i in range(3)]   # one row at a time: same bits
+    rows = [jax.jit(matvec.matmul)(x[i:i + 1], large)[0] for i in range(5)]   # one row at a time: same bits
     np.testing.assert_array_equal(np.stack(rows), alone[0])
 
 

@@ -20,21 +20,61 @@ namespace ffi = xla::ffi;
 constexpr int64_t CHUNK = 128;           // rows of w per unit of work (a multiple of 8)
 constexpr int64_t SERIAL_BELOW = 65536;  // multiply-adds under this: one thread (waking another costs more than it saves)
 
+typedef float v8 __attribute__((vector_size(32)));  // 8 lanes (GCC and Clang lower it on any target)
+
+static inline v8 load8(const float* p) {
+  v8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// 8 rows of w weighted by a row's 8 values of x: one fixed shape of sum on every path, so the same bits.
+template <typename T>
+static inline T sum8(const float* a, T w0, T w1, T w2, T w3, T w4, T w5, T w6, T w7) {
+  return ((a[0] * w0 + a[1] * w1) + (a[2] * w2 + a[3] * w3)) + ((a[4] * w4 + a[5] * w5) + (a[6] * w6 + a[7] * w7));
+}
+
+// y[n0:] += a (8,) @ r[:, n0:] for r (8, N): the compiler vectorizes over n and keeps a's 8 values in registers.
+static void rows8_one(const float* a, const float* r, int64_t N, float* y, int64_t n0 = 0) {
+  for (int64_t n = n0; n < N; ++n)
+    y[n] += sum8(a, r[n], r[N + n], r[2 * N + n], r[3 * N + n], r[4 * N + n], r[5 * N + n], r[6 * N + n], r[7 * N + n]);
+}
+
+// y (R, N) += a (R, 8; rows K apart) @ r (8, N): each vector of r is loaded once for all R rows (verify).
+template <int R>
+static void rows8_many(const float* a, int64_t K, const float* r, int64_t N, float* y) {
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8) {
+    const v8 w0 = load8(r + n), w1 = load8(r + N + n), w2 = load8(r + 2 * N + n), w3 = load8(r + 3 * N + n),
+             w4 = load8(r + 4 * N + n), w5 = load8(r + 5 * N + n), w6 = load8(r + 6 * N + n), w7 = load8(r + 7 * N + n);
+    for (int m = 0; m < R; ++m) store8(y + m * N + n, load8(y + m * N + n) + sum8(a + m * K, w0, w1, w2, w3, w4, w5, w6, w7));
+  }
+  for (int m = 0; m < R; ++m) rows8_one(a + m * K, r, N, y + m * N, n);  // the last N % 8 columns
+}
+
+// y (M, N) += x[:, k:k+8] @ w[k:k+8, :]
+static void rows8(const float* x, int64_t M, int64_t K, const float* r, int64_t N, float* y) {
+  switch (M) {
+    case 2: return rows8_many<2>(x, K, r, N, y);
+    case 3: return rows8_many<3>(x, K, r, N, y);
+    case 4: return rows8_many<4>(x, K, r, N, y);
+    case 5: return rows8_many<5>(x, K, r, N, y);
+    case 6: return rows8_many<6>(x, K, r, N, y);
+    case 7: return rows8_many<7>(x, K, r, N, y);
+    case 8: return rows8_many<8>(x, K, r, N, y);
+    default:  // one row, or more than 8 (registers run out): row by row
+      for (int64_t m = 0; m < M; ++m) rows8_one(x + m * K, r, N, y + m * N);
+  }
+}
+
 // y (M, N) = x[:, k0:k1] @ w[k0:k1, :]
 static void chunk_product(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
                           int64_t k0, int64_t k1) {
   std::fill(y, y + M * N, 0.0f);
   int64_t k = k0;
-  for (; k + 8 <= k1; k += 8) {  // 8 rows of w per pass over y: one load and store of y per 8 rows read
-    const float* r = w + k * N;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* a = x + m * K + k;
-      float* ym = y + m * N;
-      for (int64_t n = 0; n < N; ++n)
-        ym[n] += ((a[0] * r[n] + a[1] * r[N + n]) + (a[2] * r[2 * N + n] + a[3] * r[3 * N + n])) +
-                 ((a[4] * r[4 * N + n] + a[5] * r[5 * N + n]) + (a[6] * r[6 * N + n] + a[7] * r[7 * N + n]));
-    }
-  }
+  for (; k + 8 <= k1; k += 8) rows8(x + k, M, K, w + k * N, N, y);  // one load and store of y per 8 rows of w
   for (; k < k1; ++k)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) y[m * N + n] += x[m * K + k] * w[k * N + n];
