@@ -1,10 +1,10 @@
 """Weights: reference.load_model's nested dict (checkpoint names, strictly checked, fp32 numpy) -> jax arrays in
 the chosen dtype, optionally sharded over a mesh.
 
-Every 2-D matrix but the embedding is stored transposed, (in, out), and the model computes `x @ W` where the
-reference writes `x @ W.T`: with (out, in) weights XLA:CPU transposes each matrix in memory on every call (the
-decode step reads every weight once, so that tripled its memory traffic). A tied lm_head becomes its own (D, V)
-copy of the embedding for the same reason.
+Every 2-D matrix but the embedding is stored transposed, (in, out), and the model computes `matmul(x, W)` where
+the reference writes `x @ W.T`: with (out, in) weights XLA:CPU transposes each matrix in memory on every call (the
+decode step reads every weight once, so that tripled its memory traffic); the CPU matvec kernel (matvec.py) reads
+the same layout. A tied lm_head becomes its own (D, V) copy of the embedding for the same reason.
 """
 
 import jax
