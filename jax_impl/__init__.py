@@ -11,8 +11,8 @@ rollback(strategy, before, after, kept, n) -> the state after the first n verifi
 
 from .gated_delta import (conv_window, conv_windows, delta_states, gated_delta_chunked, gated_delta_recurrent,
                           gated_delta_step, replay)
-from .model import (commit_per_position, commit_replay, decode, empty_state, forward, forward_hidden,
-                    keep_per_position, lm_head, prefill, rollback, verify)
+from .model import (commit_per_position, commit_replay, decode, empty_kv, empty_state, forward, forward_hidden,
+                    keep_per_position, kv_from_reference, kv_to_reference, lm_head, prefill, rollback, verify)
 from .sharding import initialize_distributed, make_mesh
 from .spec_decode import (accept_greedy, accept_speculative, generate, generate_device, mtp_hidden, probabilities,
                           prompt_lookup, sample)

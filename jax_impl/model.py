@@ -4,9 +4,11 @@ jit-compiled entry points prefill, decode, verify and rollback. Reads side by si
 letters are its legend (T tokens, S cache slots, D hidden, ...).
 
 Differences from the reference, all forced by fixed shapes:
-  * AttnState.k / .v are preallocated (capacity, Hkv, Dh) buffers; State.length says how many slots are live.
-    Truncating a KV cache is setting the length: slots past it are never visible (causal mask by position) and
-    are overwritten by the next call.
+  * AttnState.k / .v are preallocated buffers of `capacity` slots; State.length says how many are live. Truncating a
+    KV cache is setting the length: slots past it are never visible (causal mask by position) and are overwritten
+    by the next call. Keys are (Hkv, S, Dh) and values (Hkv, Dh, S), where the reference has (S, Hkv, Dh): each
+    attention dot then contracts its operands' last axis, which XLA:CPU reads in place; with the reference's layout
+    it copied both whole caches every step (30% of a decode step at 2000 tokens of context).
   * forward takes `valid`: only the first `valid` of the T tokens count (prompt padded to a bucket). The padding
     gets beta = g = 0, which leaves the DeltaNet state unchanged, and the conv window is cut at `valid`.
   * Activations take the weights' dtype (fp32 or bf16); the DeltaNet rule, its state and the logits stay fp32.
@@ -70,15 +72,26 @@ def causal_conv1d(x, window, weight, valid):  # (T, C), (W-1, C), (C, W) -> (T, 
 # ----------------------------------------------------------------------------------------------------------------
 # State
 
+def empty_kv(cfg, capacity, dtype=f32):
+    """An attention layer's zero KV buffers: keys (Hkv, S, Dh), values (Hkv, Dh, S)."""
+    Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
+    return AttnState(jnp.zeros((Hkv, capacity, Dh), dtype), jnp.zeros((Hkv, Dh, capacity), dtype))
+
+
+def kv_from_reference(kv):  # the reference's (S, Hkv, Dh) keys and values -> jax_impl's layout
+    return AttnState(kv.k.swapaxes(0, 1), kv.v.transpose(1, 2, 0))
+
+
+def kv_to_reference(kv, n):  # jax_impl's layout -> the reference's (n, Hkv, Dh): the first n slots
+    return AttnState(kv.k[:, :n].swapaxes(0, 1), kv.v[:, :, :n].transpose(2, 0, 1))
+
+
 def empty_state(cfg, capacity, dtype=f32):
     """Zero state with `capacity` attention slots; DeltaNet S is fp32, conv windows and KV in the model dtype."""
     C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
-    Hv, Dk, Dv, Hkv, Dh = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                           cfg.num_key_value_heads, cfg.head_dim)
+    Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     layers = tuple(DeltaState(jnp.zeros((W - 1, C), dtype), jnp.zeros((Hv, Dk, Dv), f32))
-                   if kind == "linear_attention" else
-                   AttnState(jnp.zeros((capacity, Hkv, Dh), dtype), jnp.zeros((capacity, Hkv, Dh), dtype))
-                   for kind in cfg.layer_types)
+                   if kind == "linear_attention" else empty_kv(cfg, capacity, dtype) for kind in cfg.layer_types)
     return State(layers, jnp.int32(0))
 
 
@@ -119,13 +132,13 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     k = rms_norm(k.reshape(T, Hkv, Dh), k_norm, cfg.rms_norm_eps)  # (T, Hkv, Dh)
     v = v.reshape(T, Hkv, Dh)                                     # (T, Hkv, Dh)
     q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
-    keys = lax.dynamic_update_slice_in_dim(state.k, k.astype(state.k.dtype), positions[0], 0)    # (S, Hkv, Dh)
-    values = lax.dynamic_update_slice_in_dim(state.v, v.astype(state.v.dtype), positions[0], 0)
+    keys = lax.dynamic_update_slice_in_dim(state.k, k.swapaxes(0, 1).astype(state.k.dtype), positions[0], 1)
+    values = lax.dynamic_update_slice_in_dim(state.v, v.transpose(1, 2, 0).astype(state.v.dtype), positions[0], 2)
     q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
-    scores = jnp.einsum("tkgd,skd->kgts", q, keys, preferred_element_type=f32) * f32(Dh ** -0.5)  # (Hkv, G, T, S)
-    visible = jnp.arange(len(keys))[None, :] <= positions[:, None]              # (T, S) causal; hides stale slots
+    scores = jnp.einsum("tkgd,ksd->kgts", q, keys, preferred_element_type=f32) * f32(Dh ** -0.5)  # (Hkv, G, T, S)
+    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]          # (T, S) causal; hides stale slots
     weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("kgts,skd->tkgd", weights.astype(values.dtype), values).reshape(T, Hq * Dh)  # (T, Hq*Dh)
+    out = jnp.einsum("kgts,kds->tkgd", weights.astype(values.dtype), values).reshape(T, Hq * Dh)  # (T, Hq*Dh)
     return matmul(out * jax.nn.sigmoid(gate), o_proj), AttnState(keys, values)
 
 

@@ -57,9 +57,9 @@ def param_sharding(mesh, path, shape):
 
 
 def state_shardings(mesh, state):
-    """DeltaNet S (Hv, Dk, Dv) by value head, conv window (W-1, C) by channel, KV cache (S, Hkv, Dh) by KV head."""
+    """DeltaNet S (Hv, Dk, Dv) by value head, conv window (W-1, C) by channel, KV cache (Hkv, ...) by KV head."""
     layers = tuple(DeltaState(split(mesh, s.conv.shape, 1), split(mesh, s.S.shape, 0)) if isinstance(s, DeltaState)
-                   else AttnState(split(mesh, s.k.shape, 1), split(mesh, s.v.shape, 1)) for s in state.layers)
+                   else AttnState(split(mesh, s.k.shape, 0), split(mesh, s.v.shape, 0)) for s in state.layers)
     return State(layers, NamedSharding(mesh, PartitionSpec()))
 
 

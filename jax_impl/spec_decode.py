@@ -16,8 +16,8 @@ import numpy as np
 from jax import lax
 
 import reference
-from reference import AttnState, Sampling, State
-from .model import empty_state, forward_hidden, decoder_layer, lm_head, rms_norm, verify_forward, commit
+from reference import Sampling, State
+from .model import empty_kv, empty_state, forward_hidden, decoder_layer, lm_head, rms_norm, verify_forward, commit
 from . import matvec
 from .matvec import matmul
 from .sharding import constrain_state, fetch, put, replicated
@@ -163,9 +163,8 @@ def mtp_hidden(params, cfg, tokens, hidden, state, valid=None):  # (T,), (T, D) 
 
 def mtp_init(params, cfg, buf, prompt_len, hidden, table):
     """Catch the MTP head up on the prompt: pairs (hidden of position i, token i+1). Its state: (State, last hidden)."""
-    P, (Hkv, Dh), dtype = len(hidden), (cfg.num_key_value_heads, cfg.head_dim), hidden.dtype
-    empty = AttnState(jnp.zeros((len(buf), Hkv, Dh), dtype), jnp.zeros((len(buf), Hkv, Dh), dtype))
-    return mtp_update(params, cfg, (State((empty,), jnp.int32(0)), None), buf[1:P + 1], hidden, prompt_len)
+    empty = State((empty_kv(cfg, len(buf), hidden.dtype),), jnp.int32(0))
+    return mtp_update(params, cfg, (empty, None), buf[1:len(hidden) + 1], hidden, prompt_len)
 
 
 def mtp_propose(params, cfg, draft_state, buf, ntok, K, sampling, key):

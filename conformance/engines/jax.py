@@ -36,11 +36,13 @@ def deltanet_layer(i, attrs, weights):
 
 
 def attention_layer(i, attrs, weights):
-    """jax_impl writes new keys into a preallocated cache at their positions: give it room for them."""
+    """jax_impl writes new keys into a preallocated cache at their positions: give it room for them (in jax_impl's
+    KV layout, handed back in the reference's)."""
     cfg = layer_config(attrs, i["x"].shape[-1], layer_types=("full_attention",))
     room = jnp.zeros((len(i["x"]), *i["state.k"].shape[1:]), i["state.k"].dtype)
     cache = R.AttnState(jnp.concatenate([i["state.k"], room]), jnp.concatenate([i["state.v"], room]))
-    y, cache = attention(i["x"], cache, i["positions"], cfg, **weights["self_attn"])
+    y, cache = attention(i["x"], jax_impl.kv_from_reference(cache), i["positions"], cfg, **weights["self_attn"])
+    cache = jax_impl.kv_to_reference(cache, len(room) + len(i["state.k"]))
     return {"y": y, "state.k": cache.k, "state.v": cache.v}
 
 
@@ -108,9 +110,9 @@ class Jax(Engine):
         return host(logits[:len(tokens)]), state
 
     def export_state(self, model, state):
-        """Only the live part of the KV buffers: the first state.length slots."""
+        """Only the live part of the KV buffers, the first state.length slots, in the reference's layout."""
         n = int(state.length)
-        live = [layer._replace(k=layer.k[:n], v=layer.v[:n]) if isinstance(layer, R.AttnState) else layer
+        live = [jax_impl.kv_to_reference(layer, n) if isinstance(layer, R.AttnState) else layer
                 for layer in state.layers]
         return state_tensors(R.State(jax.tree.map(host, live), n))
 
