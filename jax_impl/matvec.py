@@ -32,12 +32,16 @@ MODES = ("auto", "xla")
 mode = os.environ.get("JAX_IMPL_MATVEC", "auto")  # read when a function is traced
 
 
+def checked(value):
+    if value not in MODES:
+        raise UserError(f"--matvec / JAX_IMPL_MATVEC {value}: expected one of {', '.join(MODES)}")
+    return value
+
+
 def set_mode(value):
     """"auto" (the kernel where it applies) or "xla". Compiled programs are dropped, so every later call follows."""
     global mode
-    if value not in MODES:
-        raise UserError(f"--matvec / JAX_IMPL_MATVEC {value}: expected one of {', '.join(MODES)}")
-    if value != mode:
+    if checked(value) != mode:
         mode = value
         jax.clear_caches()
 
@@ -78,9 +82,7 @@ def kernel_registered():
 
 
 def uses_kernel(x, w):
-    if mode not in MODES:
-        raise UserError(f"--matvec / JAX_IMPL_MATVEC {mode}: expected one of {', '.join(MODES)}")
-    return (mode == "auto" and x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and x.size > 0
+    return (checked(mode) == "auto" and x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and x.size > 0
             and math.prod(x.shape[:-1]) <= MAX_ROWS and jax.default_backend() == "cpu" and jax.device_count() == 1
             and kernel_registered())
 

@@ -132,8 +132,9 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     k = rms_norm(k.reshape(T, Hkv, Dh), k_norm, cfg.rms_norm_eps)  # (T, Hkv, Dh)
     v = v.reshape(T, Hkv, Dh)                                     # (T, Hkv, Dh)
     q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
-    keys = lax.dynamic_update_slice_in_dim(state.k, k.swapaxes(0, 1).astype(state.k.dtype), positions[0], 1)
-    values = lax.dynamic_update_slice_in_dim(state.v, v.transpose(1, 2, 0).astype(state.v.dtype), positions[0], 2)
+    new = kv_from_reference(AttnState(k, v))                     # (Hkv, T, Dh), (Hkv, Dh, T)
+    keys = lax.dynamic_update_slice_in_dim(state.k, new.k.astype(state.k.dtype), positions[0], 1)
+    values = lax.dynamic_update_slice_in_dim(state.v, new.v.astype(state.v.dtype), positions[0], 2)
     q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
     scores = jnp.einsum("tkgd,ksd->kgts", q, keys, preferred_element_type=f32) * f32(Dh ** -0.5)  # (Hkv, G, T, S)
     visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]          # (T, S) causal; hides stale slots
