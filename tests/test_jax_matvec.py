@@ -1,6 +1,6 @@
 """jax_impl/matvec.py: the CPU kernel for decode's and verify's products is built and used here, agrees with an
 fp64 product within fp32's error bound, gives the same bits however its work is split, survives vmap and grad,
-and decoding through it gives XLA's dot's tokens."""
+decoding through it gives XLA's dot's tokens, and a decode step calls it once per input."""
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +84,13 @@ def test_decoding_gives_the_tokens_of_xlas_dot(request):
 def test_a_bad_mode_is_a_user_error():
     with pytest.raises(reference.UserError, match="JAX_IMPL_MATVEC fast"):
         matvec.set_mode("fast")
+
+
+def test_a_decode_step_makes_one_kernel_call_per_input():
+    """Traced on device (bench/jax_profile.py): each layer's mixer input projections, mixer output, gate/up and
+    down projections are one call each, the lm_head one more; the rest of the step is XLA's own ops."""
+    from bench.jax_profile import breakdown
+    cfg, params = jax_impl.load(reference.DEFAULT_MODEL)
+    step = breakdown(cfg, params, steps=2)
+    assert step.kernel_calls == 4 * cfg.num_hidden_layers + 1
+    assert step.kernel_ms > 0 and step.other_ops > 0 and step.other_ms > 0
