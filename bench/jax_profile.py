@@ -16,7 +16,6 @@ import json
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,12 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
 
 import jax_impl  # noqa: E402
 from jax_impl import matvec  # noqa: E402
 from bench.checkpoints import checkpoint, copy_prompt  # noqa: E402
-from bench.jax_speed import weight_bytes_per_token  # noqa: E402
+from bench.jax_speed import device_loop, wall_seconds, weight_bytes_per_token  # noqa: E402
 from jax_impl.model import forward_hidden, lm_head  # noqa: E402
 
 KERNEL = "ffi_call"                                  # XLA's name for the matvec kernel's custom calls
@@ -37,15 +35,13 @@ KERNEL = "ffi_call"                                  # XLA's name for the matvec
 RUNTIME = ("$", "Thunk", "while", "PjitFunction", "end:", "CommonPjRt", "ParseArguments", "Handle inputs")
 
 
-def decode_loop(cfg, steps):
-    """`steps` greedy decode steps, each fed the previous argmax, as one jit-compiled on-device loop."""
-    def run(params, state):
-        def step(i, carry):
-            token, st = carry
-            hidden, st, _ = forward_hidden(params, cfg, token, st)
-            return jnp.argmax(lm_head(params, hidden), -1).astype(jnp.int32), st
-        return lax.fori_loop(0, steps, step, (jnp.zeros(1, jnp.int32), state))
-    return jax.jit(run)
+def greedy_step(cfg):
+    """One decode step fed the previous step's argmax, for device_loop: (i, (token, state), params) -> carry."""
+    def step(i, carry, params):
+        token, state = carry
+        hidden, state, _ = forward_hidden(params, cfg, token, state)
+        return jnp.argmax(lm_head(params, hidden), -1).astype(jnp.int32), state
+    return step
 
 
 def op_times(trace_dir):
@@ -83,13 +79,10 @@ def breakdown(cfg, params, steps):
     """Time `steps` greedy decode steps after a 64-token prompt untraced (best of 3), then trace two more runs."""
     state = jax_impl.empty_state(cfg, 64 + steps + 1)
     _, _, state, _ = jax_impl.prefill(params, cfg, jnp.asarray(copy_prompt(64, cfg.vocab_size)), state)
-    loop = decode_loop(cfg, steps)
-    jax.block_until_ready(loop(params, state))
-
-    def run_ms():
-        start = time.perf_counter()
-        jax.block_until_ready(loop(params, state))
-        return (time.perf_counter() - start) / steps * 1e3
+    loop = device_loop(greedy_step(cfg), steps)
+    run = lambda: jax.block_until_ready(loop((jnp.zeros(1, jnp.int32), state), params))  # noqa: E731
+    run()
+    run_ms = lambda: wall_seconds(run) / steps * 1e3  # noqa: E731
     untraced = min(run_ms() for _ in range(3))
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)

@@ -48,6 +48,13 @@ def best_of(repeats, run):
     return min(runs, key=lambda r: r.decode_s)._replace(compile_s=runs[0].compile_s)
 
 
+def wall_seconds(run):
+    """Seconds run() takes (it waits for its results)."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def gemv_bandwidth(dtype, repeats=20):
     """Bytes per second of a matrix-vector product streaming a 256 MiB matrix of `dtype`: numpy's for fp32 on a CPU
     (all cores), else XLA's (numpy has no fast bf16)."""
@@ -60,12 +67,7 @@ def gemv_bandwidth(dtype, repeats=20):
         gemv = jax.jit(jnp.matmul)
         product = lambda: jax.block_until_ready(gemv(W, x))  # noqa: E731
     product()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product()
-        seconds.append(time.perf_counter() - start)
-    return W.nbytes / min(seconds)
+    return W.nbytes / min(wall_seconds(product) for _ in range(repeats))
 
 
 def weight_bytes_per_token(cfg, dtype):
@@ -125,17 +127,18 @@ def speculative(model_dir, prompt, new_tokens, repeats, plain, draft_len, dtype)
                   f"{'exact' if r.tokens == plain.tokens else agreement(r.tokens, plain.tokens, 'plain')}", flush=True)
 
 
+def device_loop(step, steps):
+    """step(i, carry, *args) -> carry chained `steps` times in one jit-compiled on-device loop (carry, *args) -> carry:
+    the host's dispatch per step, which the on-device generate loop never pays, is left out."""
+    return jax.jit(lambda carry, *args: lax.fori_loop(0, steps, lambda i, c: step(i, c, *args), carry))
+
+
 def device_seconds(step, carry, *args, steps=50, repeats=3):
-    """Seconds of one step(i, carry, *args) -> carry, from a jit-compiled loop of `steps` chained steps: the host's
-    dispatch per call, which the on-device generate loop never pays, is left out."""
-    loop = jax.jit(lambda carry, *args: lax.fori_loop(0, steps, lambda i, c: step(i, c, *args), carry))
-    jax.block_until_ready(loop(carry, *args))
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(loop(carry, *args))
-        seconds.append(time.perf_counter() - start)
-    return min(seconds) / steps
+    """Seconds of one step(i, carry, *args) -> carry: best of `repeats` runs of device_loop, after a compiling one."""
+    loop = device_loop(step, steps)
+    run = lambda: jax.block_until_ready(loop(carry, *args))  # noqa: E731
+    run()
+    return min(wall_seconds(run) for _ in range(repeats)) / steps
 
 
 def rollback_costs(model_dir, prompt, K, repeats, dtype):

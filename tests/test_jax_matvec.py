@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import jax_impl
 import reference
+from bench.jax_profile import breakdown
 from jax_impl import matvec
 
 
@@ -89,7 +90,6 @@ def test_a_bad_mode_is_a_user_error():
 def test_a_decode_step_makes_one_kernel_call_per_input():
     """Traced on device (bench/jax_profile.py): each layer's mixer input projections, mixer output, gate/up and
     down projections are one call each, the lm_head one more; the rest of the step is XLA's own ops."""
-    from bench.jax_profile import breakdown
     cfg, params = jax_impl.load(reference.DEFAULT_MODEL)
     step = breakdown(cfg, params, steps=2)
     assert step.kernel_calls == 4 * cfg.num_hidden_layers + 1
