@@ -357,6 +357,15 @@ def load_model(model_dir):
     return cfg, load_weights(model_dir, cfg)
 
 
+def cast(params, dtype):
+    """The weights in another float dtype: float64 separates what is float32 rounding from what is not."""
+    if isinstance(params, dict):
+        return {key: cast(value, dtype) for key, value in params.items()}
+    if isinstance(params, list):
+        return [cast(value, dtype) for value in params]
+    return None if params is None else params.astype(dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Primitives
 
@@ -392,10 +401,11 @@ def l2norm(x, eps=1e-6):  # (..., N) -> (..., N)
 
 
 def rope(x, positions, theta, rotary_dim):  # (T, H, Dh), (T,) -> (T, H, Dh)
-    """NeoX-style partial RoPE: dims [0, R) rotate in pairs (i, i + R/2), dims [R, Dh) pass through."""
+    """NeoX-style partial RoPE: dims [0, R) rotate in pairs (i, i + R/2), dims [R, Dh) pass through. The angles are
+    float32, as transformers computes them; their cos and sin are taken at x's precision."""
     R = rotary_dim
     inv_freq = np.float32(theta) ** -(np.arange(0, R, 2, dtype=np.float32) / np.float32(R))   # (R/2,)
-    angles = positions.astype(np.float32)[:, None] * inv_freq                                   # (T, R/2)
+    angles = (positions.astype(np.float32)[:, None] * inv_freq).astype(x.dtype)               # (T, R/2)
     cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]                             # (T, 1, R)
     sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
     x_rot, x_pass = x[..., :R], x[..., R:]

@@ -14,16 +14,8 @@ sys.path.insert(0, str(ROOT))
 import reference  # noqa: E402  (after the path is set)
 
 
-def cast(tree, dtype):
-    if isinstance(tree, dict):
-        return {key: cast(value, dtype) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [cast(value, dtype) for value in tree]
-    return None if tree is None else tree.astype(dtype)
-
-
 @lru_cache(maxsize=None)
 def model(name, dtype=np.float32):
     """A committed checkpoint in weights/, its weights cast to dtype (float64 shows what is rounding and what is not)."""
     cfg, params = reference.load_model(ROOT / "weights" / name)
-    return cfg, cast(params, dtype)
+    return cfg, reference.cast(params, dtype)
