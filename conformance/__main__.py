@@ -13,6 +13,8 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="rebuild the cases from reference.py")
     gen.add_argument("--out", type=Path, default=CASES_DIR, help="folder to write (default: conformance/cases)")
+    gen.add_argument("--check", action="store_true", help="write nothing: regenerate into a temporary folder and "
+                     "report what differs from --out beyond float32 rounding (exit 1 if anything does)")
     lst = sub.add_parser("list", help="list the cases")
     lst.add_argument("--cases", metavar="REGEX", help="only case names matching this regular expression")
     run = sub.add_parser("run", help="run the cases against an engine")
@@ -22,7 +24,12 @@ def main(argv=None):
     run.add_argument("--dir", type=Path, default=CASES_DIR, help="cases folder (default: conformance/cases)")
     args = ap.parse_args(argv)
     try:
-        if args.command == "generate":
+        if args.command == "generate" and args.check:
+            from conformance.generate import check
+            stale = check(args.out)
+            print("\n".join(stale) if stale else f"{args.out}: fresh (regenerating changes float32 rounding only)")
+            return 1 if stale else 0
+        elif args.command == "generate":
             from conformance.generate import generate
             generate(args.out)
         elif args.command == "list":

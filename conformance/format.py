@@ -5,7 +5,8 @@
     cases/<name>/inputs.safetensors    inputs; layer cases also carry the layer's weights under their checkpoint names
     cases/<name>/expected.safetensors  expected outputs (float32 or int64)
 
-Everything written is a pure function of the case, so regenerating gives byte-identical files.
+Float tensors are stored as float32 (the generator computes in float64 and they are rounded here, once), token ids
+and lengths as int64.
 """
 
 import hashlib
@@ -72,10 +73,12 @@ FEATURES = {
 
 
 class GoldenError(Exception):
-    """A case on disk is unusable: the message names the file and the command that rebuilds it."""
+    """A case on disk is unusable: the message names the file, how to restore the shipped goldens, and the command
+    that rebuilds them (for whoever changed the reference, the generator or a checkpoint)."""
 
     def __init__(self, path, problem):
-        super().__init__(f"{path}: {problem}; regenerate the goldens with `{REGENERATE}`")
+        super().__init__(f"{path}: {problem}; restore the shipped goldens (`git checkout conformance/cases weights`), "
+                         f"or after changing reference.py, the generator or weights/ rebuild them with `{REGENERATE}`")
 
 
 class Output(NamedTuple):
@@ -145,6 +148,12 @@ def manifest(case, file_digests):
             "checkpoint": checkpoint, "outputs": outputs, "files": file_digests}
 
 
+def stored(array):
+    """A tensor as the files hold it: floats rounded once to float32, integers as int64."""
+    array = np.asarray(array)
+    return np.ascontiguousarray(array, np.float32 if array.dtype.kind == "f" else np.int64)
+
+
 def write_case(cases_dir, case):
     unknown = [f for f in case.features if f not in FEATURES]
     if unknown:
@@ -153,7 +162,7 @@ def write_case(cases_dir, case):
     folder.mkdir(parents=True)
     digests = {}
     for file, tensors in ((INPUTS, case.inputs), (EXPECTED, {n: o.value for n, o in case.outputs.items()})):
-        data = safetensors.numpy.save({n: np.ascontiguousarray(a) for n, a in tensors.items()})
+        data = safetensors.numpy.save({n: stored(a) for n, a in tensors.items()})
         (folder / file).write_bytes(data)
         digests[file] = hashlib.sha256(data).hexdigest()
     (folder / MANIFEST).write_text(json.dumps(manifest(case, digests), indent=1, sort_keys=True) + "\n")

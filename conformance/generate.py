@@ -1,21 +1,28 @@
 """The only writer of conformance/cases/: every expected tensor is computed here by reference.py.
 
+Everything is computed in float64 (the checkpoints' weights and the stored float32 inputs upcast exactly) and
+rounded once to float32 when written, so regenerating on another CPU, BLAS or thread count moves a golden by float32
+rounding only (INTERPRETING.md, "Regenerating"; `differences` below is that promise as a check).
 Inputs are drawn from a generator seeded by the case name, so a case does not change when others are added.
 Where an engine's rounding could flip a discrete outcome, the generator keeps the outcome away from the edge:
 uniforms sit in the middle of the interval that decides them, and greedy steps whose top-2 logits are within the
 logits tolerance list both tokens (`ties`). Cases whose drafts or routing would sit on such an edge are refused.
 """
 
+import json
 import shutil
 import sys
+import tempfile
 import zlib
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
 import reference as R
 from conformance.engines.reference import state_tensors
-from conformance.format import (MANIFEST, TOLERANCES, Case, Output, checkpoint_dir, write_case)
+from conformance.format import (EXPECTED, INPUTS, MANIFEST, TOLERANCES, Case, Output, case_dirs, checkpoint_dir,
+                                read_tensors, write_case)
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
                "tiny-draft")
@@ -34,13 +41,19 @@ def f32(x):
     return np.asarray(x, dtype=np.float32)
 
 
+def f64(x):
+    return np.asarray(x, dtype=np.float64)
+
+
 def i64(x):
     return np.asarray(x, dtype=np.int64)
 
 
 @lru_cache(maxsize=None)
 def model(checkpoint):
-    return R.load_model(checkpoint_dir(checkpoint))
+    """(Config, weights in float64): the float32 (or bf16) weights upcast exactly."""
+    cfg, params = R.load_model(checkpoint_dir(checkpoint))
+    return cfg, R.cast(params, np.float64)
 
 
 @lru_cache(maxsize=None)
@@ -106,20 +119,20 @@ def primitive_cases():
     x, w = f32(rng.normal(0, 3, (5, 64)) * TINY_ROW[:, None]), f32(rng.normal(0, 0.2, 64))
     yield op_case("op-rms_norm", "rms_norm", "reference.rms_norm",
                   "RMSNorm with scale (1 + w); a row at scale 1e-3 makes eps matter",
-                  {"x": x, "weight": w}, {"y": ("activations", R.rms_norm(x, w, 1e-6))}, {"eps": 1e-6})
+                  {"x": x, "weight": w}, {"y": ("activations", R.rms_norm(f64(x), f64(w), 1e-6))}, {"eps": 1e-6})
 
     rng = rng_for("rms_norm_gated")
     x = f32(rng.normal(0, 1, (5, 4, 16)) * TINY_ROW[:, None, None])
     z, w = f32(rng.normal(0, 2, (5, 4, 16))), f32(1 + rng.normal(0, 0.2, 16))
     yield op_case("op-rms_norm_gated", "rms_norm_gated", "reference.rms_norm_gated",
                   "per-head norm with plain weight, then SiLU(z) gate; a row at scale 1e-3 makes eps matter", {"x": x, "z": z, "weight": w},
-                  {"y": ("activations", R.rms_norm_gated(x, z, w, 1e-6))}, {"eps": 1e-6})
+                  {"y": ("activations", R.rms_norm_gated(f64(x), f64(z), f64(w), 1e-6))}, {"eps": 1e-6})
 
     rng = rng_for("l2norm")
     x = f32(rng.normal(0, 1, (5, 2, 16)) * TINY_ROW[:, None, None])
     yield op_case("op-l2norm", "l2norm", "reference.l2norm",
                   "a row at scale 1e-3 makes eps matter: sqrt(sum x^2 + eps), not sqrt(sum x^2) + eps",
-                  {"x": x}, {"y": ("activations", R.l2norm(x, 1e-6))}, {"eps": 1e-6})
+                  {"x": x}, {"y": ("activations", R.l2norm(f64(x), 1e-6))}, {"eps": 1e-6})
 
     for head_dim, factor, theta, start in ((16, 0.25, 1e4, 0), (20, 0.5, 1e6, 300)):
         name = f"op-rope-Dh{head_dim}-partial{factor:g}"
@@ -127,14 +140,14 @@ def primitive_cases():
         x, positions = f32(rng.normal(0, 1, (6, 4, head_dim))), i64(start + np.arange(6) * 37)
         yield op_case(name, "rope", "reference.rope", f"NeoX rotation of the first {factor:g} of each head",
                       {"x": x, "positions": positions},
-                      {"y": ("activations", R.rope(x, positions, theta, int(head_dim * factor)))},
+                      {"y": ("activations", R.rope(f64(x), positions, theta, int(head_dim * factor)))},
                       {"rope_theta": theta, "partial_rotary_factor": factor})
 
     for T, W in ((7, 4), (2, 4), (1, 3)):
         name = f"op-causal_conv1d-T{T}-W{W}"
         rng = rng_for(name)
         x, window, w = f32(rng.normal(0, 1, (T, 40))), f32(rng.normal(0, 1, (W - 1, 40))), f32(rng.normal(0, 0.5, (40, W)))
-        y, new_window = R.causal_conv1d(x, window, w)
+        y, new_window = R.causal_conv1d(f64(x), f64(window), f64(w))
         yield op_case(name, "causal_conv1d", "reference.causal_conv1d",
                       "depthwise causal conv from a carried window; returns the window ending at the last input",
                       {"x": x, "window": window, "weight": w},
@@ -156,7 +169,7 @@ def gated_delta_rule_cases():
         beta = f32(R.sigmoid(rng.normal(0, 1, (T, Hv))))
         S0 = f32(rng.normal(0, 0.3, (Hv, Dk, Dv)))
         rule = R.gated_delta_chunked if form == "chunked" else R.gated_delta_recurrent
-        o, S, _ = rule(q, k, v, g, beta, S0)
+        o, S, _ = rule(*map(f64, (q, k, v, g, beta, S0)))
         yield op_case(name, "gated_delta_rule", f"reference.gated_delta_{form}",
                       f"{T} tokens from a non-zero state, Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}"
                       + (" (one step)" if T == 1 and form == "recurrent" else ""),
@@ -202,8 +215,8 @@ def layer_cases():
                                                      cfg.linear_value_head_dim)))}
 
         def gated_deltanet(cfg, weights, inputs=inputs):
-            y, state, _ = R.gated_deltanet(inputs["x"], R.DeltaState(inputs["state.conv"], inputs["state.S"]), cfg,
-                                           **weights)
+            y, state, _ = R.gated_deltanet(f64(inputs["x"]), R.DeltaState(f64(inputs["state.conv"]),
+                                                                           f64(inputs["state.S"])), cfg, **weights)
             return {"y": y, "state.conv": state.conv, "state.S": state.S}
         yield layer_case(checkpoint, layer, "deltanet_layer", "linear_attn", DELTANET_ATTRS, inputs, gated_deltanet,
                          "DeltaNet mixer (after input_layernorm) from a non-zero conv window and state")
@@ -216,7 +229,7 @@ def layer_cases():
                   "state.k": f32(rng.normal(0, 1, (past, *kv))), "state.v": f32(rng.normal(0, 1, (past, *kv)))}
 
         def gated_attention(cfg, weights, inputs=inputs):
-            y, state = R.gated_attention(inputs["x"], R.AttnState(inputs["state.k"], inputs["state.v"]),
+            y, state = R.gated_attention(f64(inputs["x"]), R.AttnState(f64(inputs["state.k"]), f64(inputs["state.v"])),
                                          inputs["positions"], cfg, **weights)
             return {"y": y, "state.k": state.k, "state.v": state.v}
         yield layer_case(checkpoint, layer, "attention_layer", "self_attn", ATTENTION_ATTRS, inputs, gated_attention,
@@ -226,7 +239,7 @@ def layer_cases():
     inputs = {"x": f32(rng.normal(0, 1, (7, model("tiny-mtp")[0].hidden_size)))}
 
     def mlp(cfg, weights):
-        return {"y": R.mlp(inputs["x"], **weights)}
+        return {"y": R.mlp(f64(inputs["x"]), **weights)}
     yield layer_case("tiny-mtp", 0, "mlp_layer", "mlp", (), inputs, mlp, "SwiGLU feed-forward")
 
     cfg = model("tiny-moe")[0]
@@ -234,10 +247,11 @@ def layer_cases():
     moe_inputs = {"x": f32(rng.normal(0, 1, (9, cfg.hidden_size)))}
 
     def sparse_moe(cfg, weights):
-        router = np.sort(R.softmax(moe_inputs["x"] @ weights["gate"].T), axis=-1)[:, ::-1]
+        x = f64(moe_inputs["x"])
+        router = np.sort(R.softmax(x @ weights["gate"].T), axis=-1)[:, ::-1]
         margin = (router[:, cfg.num_experts_per_tok - 1] - router[:, cfg.num_experts_per_tok]).min()
         assert margin > 1e-3, f"moe case: routing within {margin} of a tie; change its inputs"
-        return {"y": R.sparse_moe(moe_inputs["x"], cfg, **weights)}
+        return {"y": R.sparse_moe(x, cfg, **weights)}
     yield layer_case("tiny-moe", 0, "moe_layer", "mlp", MOE_ATTRS, moe_inputs, sparse_moe,
                      "softmax top-k routing, renormalised weights, plus the sigmoid-gated shared expert")
 
@@ -312,12 +326,12 @@ def sampling_cases(N=6, V=272):
         # "ties": logits on a grid of 0.5, so many tokens tie exactly (top-k keeps every tie of the k-th; top-p
         # breaks ties by the lower token id)
         logits = f32(rng.integers(-8, 8, (N, V)) / 2 if logits_kind == "ties" else rng.normal(0, 2.5, (N, V)))
-        p = R.probabilities(logits, sampling)
+        p = R.probabilities(f64(logits), sampling)
         if sampling.temperature == 0:
             assert not any(runner_up(row)[2] for row in logits), f"{name}: argmax within tolerance of a tie"
-        tokens = i64([rng.choice(V, p=row / row.sum()) for row in p.astype(np.float64)])
+        tokens = i64([rng.choice(V, p=row / row.sum()) for row in p])
         uniforms = f32([middle_of(np.cumsum(row), j) for row, j in zip(p, tokens)])
-        assert [R.sample(row, u) for row, u in zip(p, uniforms)] == list(tokens)
+        assert [R.sample(row, u) for row, u in zip(f32(p), uniforms)] == list(tokens)
         yield Case(name, "sampling", "reference.probabilities, reference.sample",
                    "temperature, then top-k, then top-p; token = first index whose CDF exceeds u * total",
                    ("sampling",), sampling_attrs(sampling), {"logits": logits, "uniforms": uniforms},
@@ -447,16 +461,72 @@ def all_cases():
     yield from speculative_cases()
 
 
-def generate(out_dir, progress=None):
-    """Rewrite every case under out_dir (case folders there that this run does not write are removed)."""
+def generate(out_dir, progress=None, cases=None):
+    """Rewrite every case (or the given ones) under out_dir; case folders there that this run does not write are
+    removed."""
     progress = progress or sys.stderr
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.iterdir():
         if (old / MANIFEST).exists():
             shutil.rmtree(old)
     count = 0
-    for count, case in enumerate(all_cases(), 1):
+    for count, case in enumerate(all_cases() if cases is None else cases, 1):
         write_case(out_dir, case)
         print(f"[{count}] {case.name}", file=progress, flush=True)
     print(f"wrote {count} cases to {out_dir}", file=progress)
     return count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What regenerating promises (INTERPRETING.md, "Regenerating"): the same cases, manifests, token ids and decisions,
+# and float tensors that differ by float32 rounding only.
+
+REGENERATION_BOUND = TOLERANCES["regeneration"]["bound"]
+
+
+def manifest_differences(name, fresh, committed):
+    """Every manifest field but the data files' digests (which hash machine-dependent float32 bytes) must be equal."""
+    fresh, committed = ({k: v for k, v in meta.items() if k != "files"} for meta in (fresh, committed))
+    return [f"{name}/{MANIFEST}: {key} differs: {fresh.get(key)!r} now, {committed.get(key)!r} committed"
+            for key in sorted(set(fresh) | set(committed)) if fresh.get(key) != committed.get(key)]
+
+
+def tensor_differences(where, fresh, committed, bound=REGENERATION_BOUND):
+    """Names, dtypes, shapes and integer values equal; floats within `bound` times the tensor's largest magnitude."""
+    lines = [f"{where}: tensor {n} {'added' if n in fresh else 'removed'}" for n in sorted(set(fresh) ^ set(committed))]
+    for n in sorted(set(fresh) & set(committed)):
+        a, b = fresh[n], committed[n]
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            lines.append(f"{where}: {n} is {a.dtype}{list(a.shape)} now, {b.dtype}{list(b.shape)} committed")
+        elif a.dtype.kind != "f":
+            if not np.array_equal(a, b):
+                index = tuple(int(i) for i in np.argwhere(a != b)[0])
+                lines.append(f"{where}: {n}{list(index)} is {a[index]} now, {b[index]} committed")
+        else:
+            err, scale = np.abs(a.astype(np.float64) - b), float(np.abs(b).max(initial=0))
+            if not err.max(initial=0) <= bound * scale:          # NaN fails
+                lines.append(f"{where}: {n} differs by up to {err.max():.3g}, more than {bound:g} x its largest "
+                             f"magnitude {scale:.3g}")
+    return lines
+
+
+def differences(fresh_dir, committed_dir, subset=False):
+    """What a regeneration into fresh_dir changed against committed_dir, as lines (none: the goldens are fresh).
+    subset: fresh_dir holds only some cases; the others are not compared."""
+    fresh, committed = ({p.name for p in case_dirs(d)} for d in (fresh_dir, committed_dir))
+    lines = [f"case {n} is new (not committed)" for n in sorted(fresh - committed)]
+    lines += [] if subset else [f"case {n} is committed but no longer generated" for n in sorted(committed - fresh)]
+    for name in sorted(fresh & committed):
+        lines += manifest_differences(name, *(json.loads((d / name / MANIFEST).read_text())
+                                              for d in (fresh_dir, committed_dir)))
+        for file in (INPUTS, EXPECTED):
+            lines += tensor_differences(f"{name}/{file}", *(read_tensors(d / name, file)
+                                                            for d in (fresh_dir, committed_dir)))
+    return lines
+
+
+def check(committed_dir, progress=None):
+    """Regenerate into a temporary folder and compare with committed_dir -> the difference lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(Path(tmp), progress)
+        return differences(Path(tmp), committed_dir)

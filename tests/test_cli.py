@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import reference as R
+from conformance.format import TOLERANCES
 from conftest import ROOT
 
 DEFAULT = ROOT / "weights" / "default"
@@ -63,7 +64,9 @@ def test_dump_logits(tmp_path):
     logits = np.load(path)
     cfg, params = R.load_model(DEFAULT)
     assert logits.dtype == np.float32 and logits.shape == (4, cfg.vocab_size)
-    np.testing.assert_array_equal(logits, R.forward(params, cfg, [1, 2, 3, 4], R.empty_state(cfg))[0])
+    # another process may sum in another order (BLAS threads): compare within the suite's logits bound, not bytes
+    np.testing.assert_allclose(logits, R.forward(params, cfg, [1, 2, 3, 4], R.empty_state(cfg))[0], rtol=0,
+                               atol=TOLERANCES["logits"]["atol"])
 
 
 def test_sampling_flags_are_seeded():
