@@ -620,6 +620,10 @@ class Sampling(NamedTuple):
     top_p: float = 1.0         # 1 = off
 
 
+def sampling_of(settings):  # {"temperature", "top_k", "top_p"}, any of them missing: its default -> Sampling
+    return Sampling(**{field: settings[field] for field in Sampling._fields if field in settings})
+
+
 def probabilities(logits, sampling):  # (..., V) -> (..., V)
     """The distribution a token is drawn from: temperature, then top-k, then top-p (as transformers orders them).
     Temperature 0 puts all the mass on the argmax."""
@@ -679,24 +683,33 @@ def replay(S0, tape, n):  # (Hv, Dk, Dv), Tape, steps -> (Hv, Dk, Dv)
     return S
 
 
+def conv_window(window, qkv, n):  # (W-1, C), (T, C) -> (W-1, C): the conv window after the first n of T steps
+    return np.concatenate([window, qkv[:n]])[n:]
+
+
 def conv_windows(window, qkv):  # (W-1, C), (T, C) -> (T, W-1, C): the conv window after each step
-    padded = np.concatenate([window, qkv])
-    return np.lib.stride_tricks.sliding_window_view(padded, len(window), axis=0)[1:].swapaxes(1, 2)
+    return np.stack([conv_window(window, qkv, n) for n in range(1, len(qkv) + 1)])
 
 
 def truncate(attn, length):
     return AttnState(attn.k[:length], attn.v[:length])
 
 
+class KeptStates(NamedTuple):
+    """Per-position strategy: one DeltaNet layer's state after each of the T verified positions."""
+    conv: np.ndarray     # (T, W-1, C)
+    S: np.ndarray        # (T, Hv, Dk, Dv)
+
+
 def keep_per_position(before, tapes):
-    """Per-position strategy, at verify time: every DeltaNet layer's (S, conv window) after each verified position."""
-    return [None if tape is None else (delta_states(layer.S, tape), conv_windows(layer.conv, tape.qkv))
+    """Per-position strategy, at verify time: every DeltaNet layer's KeptStates (None for attention layers)."""
+    return [None if tape is None else KeptStates(conv_windows(layer.conv, tape.qkv), delta_states(layer.S, tape))
             for layer, tape in zip(before.layers, tapes)]
 
 
 def commit_per_position(before, after, kept, n):
     """Keep the first n verified positions: an index into the kept states."""
-    layers = tuple(truncate(a, before.length + n) if k is None else DeltaState(k[1][n - 1], k[0][n - 1])
+    layers = tuple(truncate(a, before.length + n) if k is None else DeltaState(k.conv[n - 1], k.S[n - 1])
                    for a, k in zip(after.layers, kept))
     return State(layers, before.length + n)
 
@@ -706,15 +719,29 @@ def commit_replay(before, after, tapes, n):
     if n == after.length - before.length:            # everything accepted: the verify pass left the right state
         return after
     layers = tuple(truncate(a, before.length + n) if t is None else
-                   DeltaState(np.concatenate([b.conv, t.qkv[:n]])[n:], replay(b.S, t, n))
+                   DeltaState(conv_window(b.conv, t.qkv, n), replay(b.S, t, n))
                    for b, a, t in zip(before.layers, after.layers, tapes))
     return State(layers, before.length + n)
 
 
-def nbytes(tree):
-    if isinstance(tree, np.ndarray):
-        return tree.nbytes
-    return sum(nbytes(x) for x in tree) if isinstance(tree, (list, tuple)) else 0
+class Verified(NamedTuple):
+    """A verify pass waiting for its commit: the states around it and what its rollback strategy kept."""
+    before: State
+    after: State
+    kept: list           # per layer: KeptStates (per-position) or the Tape (replay); None for attention layers
+    rollback: str
+
+
+def verify(params, cfg, state, tokens, rollback):  # (K+1,) -> logits (K+1, V), hidden (K+1, D), Verified
+    """One target pass over [last committed token, K drafts], keeping what `rollback` needs to commit any prefix."""
+    logits, hidden, after, tapes = forward(params, cfg, tokens, state)
+    kept = keep_per_position(state, tapes) if rollback == "per-position" else tapes
+    return logits, hidden, Verified(state, after, kept, rollback)
+
+
+def commit(verified, n):  # Verified, 1 <= n <= K+1 -> State after the first n verified positions
+    strategy = commit_per_position if verified.rollback == "per-position" else commit_replay
+    return strategy(verified.before, verified.after, verified.kept, n)
 
 
 def accept_greedy(draft, logits):  # (K,), (K+1, V) -> (accepted drafts, next token)
@@ -735,8 +762,92 @@ def accept_speculative(draft, q, p, u):  # (K,), (K, V), (K+1, V), (K+1,) unifor
     for i, x in enumerate(draft):
         if not u[i] < min(1, p[i, x] / q[i, x]):
             residual = np.maximum(p[i] - q[i], 0)
+            # all zero only if p_i <= q_i everywhere, i.e. p_i == q_i: then x_i is accepted with probability 1 and
+            # only rounding rejects it; p_i is then the right distribution to draw from
             return i, sample(residual if residual.sum() > 0 else p[i], u[K])
     return K, sample(p[K], u[K])
+
+
+def accept(draft, q, logits, sampling, u):  # -> (accepted drafts, the target's next token)
+    """Greedy acceptance at temperature 0, speculative sampling otherwise (q and u are then required)."""
+    if sampling.temperature == 0:
+        return accept_greedy(draft, logits)
+    return accept_speculative(draft, q, probabilities(logits, sampling), u)
+
+
+def until_stop(tokens, stop):  # committed tokens end at the first stop (EOS) token among them
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return tokens[:end]
+
+
+# A round, and a serving trace of many, run against a Target: the model being decoded as pure functions over its
+# explicit state. reference_target is this file's; the conformance runner wraps an engine under test in one.
+
+class Target(NamedTuple):
+    extend: Callable     # (state or None, tokens (T,)) -> logits (T, V), state   (None: a new request's prefill)
+    verify: Callable     # (state, tokens (K+1,)) -> logits (K+1, V), hidden (K+1, D) or None, pending commit
+    commit: Callable     # (pending, n) -> the state after the first n verified positions
+    accept: Callable     # (draft (K,), q (K, V), logits (K+1, V), Sampling, u (K+1,)) -> accepted, next token
+    copy: Callable       # state -> a copy that later calls cannot change (a prefix-cache entry)
+
+
+def reference_target(params, cfg, rollback):
+    def extend(state, tokens):
+        logits, _, state, _ = forward(params, cfg, tokens, empty_state(cfg) if state is None else state)
+        return logits, state
+    return Target(extend, lambda state, tokens: verify(params, cfg, state, tokens, rollback), commit, accept,
+                  lambda state: state)   # states are values here: nothing ever changes one
+
+
+class Round(NamedTuple):
+    logits: np.ndarray   # (K+1, V) of the verify pass
+    hidden: object       # (K+1, D) final-normed hidden states (the MTP head reads them), or None
+    accepted: int        # accepted drafts (None when the trace forced the kept positions)
+    committed: list      # accepted drafts and the target's token, ending at a stop token (None when forced)
+    state: object        # after the kept positions: every committed token consumed but the last
+
+
+def speculative_round(target, state, tokens, q, sampling, u, stop=(), keep=None):
+    """Verify [last committed token, K drafts] in one target pass, accept, and roll the state back to the positions
+    the committed tokens came from. keep: a forced number of positions to keep instead of the acceptance decision."""
+    logits, hidden, pending = target.verify(state, tokens)
+    accepted = committed = None
+    if keep is None:
+        accepted, token = target.accept(list(tokens[1:]), q, logits, sampling, u)
+        committed = until_stop(list(tokens[1:accepted + 1]) + [token], stop)
+        keep = len(committed)
+    return Round(logits, hidden, accepted, committed, target.commit(pending, keep))
+
+
+def run_trace(target, batches):
+    """A serving trace (conformance/INTERPRETING.md, section 4): batches of steps on named requests, run in order.
+    Requests map to states and prefix-cache keys to copies of them. Yields (batch, step, outputs) after each step:
+    prefill -> the last row's logits; verify (and its commit) -> logits, decisions, state; restore -> state."""
+    requests, cache = {}, {}
+    for b, batch in enumerate(batches):
+        for s, step in enumerate(batch):
+            name, op, out = step["request"], step["op"], {}
+            if op == "prefill":               # a new request, or the next chunk of its prompt
+                logits, requests[name] = target.extend(requests.get(name), step["tokens"])
+                out["logits"] = logits[-1:]
+            elif op == "verify":              # zero drafts: a plain decoding row
+                rule = step["commit"]
+                r = speculative_round(target, requests[name], step["tokens"], rule.get("q"), sampling_of(rule),
+                                      rule.get("uniforms"), rule.get("stop", ()), rule.get("keep"))
+                requests[name] = r.state
+                out.update(logits=r.logits, state=r.state)
+                if r.committed is not None:
+                    out.update(accepted=r.accepted, committed=r.committed)
+            elif op == "snapshot":
+                cache[step["key"]] = target.copy(requests[name])
+            elif op == "restore":             # a new request starting from a prefix-cache entry
+                requests[name] = out["state"] = target.copy(cache[step["key"]])
+            elif op == "release":
+                del requests[name]
+            else:
+                raise ValueError(f"trace step {b}.{s}: unknown op {op!r}")
+            yield b, s, out
+
 
 
 # Drafters. A drafter is a pure function over its own explicit state:
@@ -748,6 +859,22 @@ class Drafter(NamedTuple):
     name: str
     initial_state: object
     propose: Callable
+
+
+def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
+    """Drafts must be at most k ids in the vocabulary and, under sampling, come with a q (k', V) of distributions
+    giving each drafted token a probability > 0 (speculative sampling divides by it)."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        draft, q, draft_state = drafter.propose(draft_state, context, new_hidden, k, sampling, rng)
+        draft = [int(t) for t in draft]
+        if len(draft) > k or any(not 0 <= t < cfg.vocab_size for t in draft):
+            raise UserError(f"drafter {drafter.name} proposed {draft} for k={k}: ids must be in [0, {cfg.vocab_size})")
+        if sampling.temperature and (np.shape(q) != (len(draft), cfg.vocab_size) or
+                                     any(q[i, t] <= 0 for i, t in enumerate(draft))):
+            raise UserError(f"drafter {drafter.name}: q must be ({len(draft)}, {cfg.vocab_size}) distributions giving "
+                            f"each proposed token a probability > 0")
+        return draft, q, draft_state
+    return propose
 
 
 def one_hot(tokens, V):  # (k,) -> (k, V)
@@ -796,6 +923,18 @@ def draw(logits, sampling, rng):  # (V,) -> token, its distribution (V,)
     return sample(p, rng.random()), p
 
 
+def draft_chain(logits, step, k, sampling, rng):  # (V,) -> tokens (k,), q (k, V)
+    """Draw k tokens autoregressively: the first from `logits`, each next from step(token) -> logits (V,)."""
+    tokens, q = [], []
+    for i in range(k):
+        token, p = draw(logits, sampling, rng)
+        tokens.append(token)
+        q.append(p)
+        if i < k - 1:
+            logits = step(token)
+    return tokens, np.stack(q) if q else np.zeros((0, len(logits)), np.float32)
+
+
 def model_drafter(params, cfg, name):
     """A smaller model (or the target's first N layers) drafting autoregressively with its own state. The state after
     each drafted token is kept, so after a partial accept the drafter resumes from the longest accepted prefix."""
@@ -803,19 +942,20 @@ def model_drafter(params, cfg, name):
         history, checkpoints = draft_state        # checkpoints[n]: state after consuming history[:n]
         if k == 0:
             return [], np.zeros((0, cfg.vocab_size), np.float32), draft_state
+        # Resume from the latest checkpoint on the committed context: `same` tokens of the last round's history are
+        # still in it (the accepted drafts); the last context token is never consumed, it feeds the next forward.
         same = next((i for i, (a, b) in enumerate(zip(history, context)) if a != b), min(len(history), len(context)))
         resume = max(n for n in checkpoints if n <= min(same, len(context) - 1))
         logits, _, state, _ = forward(params, cfg, context[resume:], checkpoints[resume])
         checkpoints = {len(context): state}
-        tokens, q = [], []
-        for i in range(k):
-            token, p = draw(logits[-1], sampling, rng)
-            tokens.append(token)
-            q.append(p)
-            if i < k - 1:
-                logits, _, state, _ = forward(params, cfg, [token], state)
-                checkpoints[len(context) + i + 1] = state
-        return tokens, np.stack(q), (list(context) + tokens[:-1], checkpoints)
+
+        def step(token):
+            nonlocal state
+            logits, _, state, _ = forward(params, cfg, [token], state)
+            checkpoints[max(checkpoints) + 1] = state
+            return logits[-1]
+        tokens, q = draft_chain(logits[-1], step, k, sampling, rng)
+        return tokens, q, (list(context) + tokens[:-1], checkpoints)
     return Drafter(name, ([], {0: empty_state(cfg)}), propose)
 
 
@@ -845,14 +985,14 @@ def mtp_drafter(params, cfg):
         start = draft_state.length                # MTP pairs exist for positions [0, start)
         logits, h, state = mtp_forward(params, cfg, context[start + 1:start + 1 + len(new_hidden)], new_hidden,
                                        draft_state)
-        committed, tokens, q = state, [], []
-        for i in range(k):
-            token, p = draw(logits[-1], sampling, rng)
-            tokens.append(token)
-            q.append(p)
-            if i < k - 1:
-                logits, h, state = mtp_forward(params, cfg, [token], h[-1:], state)
-        return tokens, np.stack(q) if q else np.zeros((0, cfg.vocab_size), np.float32), committed
+        committed = state
+
+        def step(token):
+            nonlocal h, state
+            logits, h, state = mtp_forward(params, cfg, [token], h[-1:], state)
+            return logits[-1]
+        tokens, q = draft_chain(logits[-1], step, k, sampling, rng)
+        return tokens, q, committed
     Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
     empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
     return Drafter("mtp", State((empty,), 0), propose)
@@ -919,66 +1059,25 @@ def generate(params, cfg, prompt, max_new_tokens, sampling, rng, on_tokens=lambd
 def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, draft_len, rollback="replay",
                          on_tokens=lambda new: None):
     """Speculative decoding: the same tokens as `generate` under greedy decoding, the same distribution under
-    sampling. Each round: draft, verify in one target pass, accept, roll the state back to the kept prefix."""
+    sampling. Each round: the drafter proposes, then speculative_round verifies, accepts and rolls back."""
     limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
-    stats = {"prompt_tokens": len(prompt), "target_calls": 0, "proposed": 0, "accepted": 0,
-             "accepted_by_position": [0] * draft_len, "proposed_by_position": [0] * draft_len,
-             "rollback": rollback, "rollback_bytes": 0}
-    seconds = dict.fromkeys(("prefill", "draft", "verify", "rollback"), 0.0)
-    clock = time.perf_counter()
-
-    def lap(phase):
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[phase] += now - clock
-        clock = now
-
+    stats = SpeculationStats(len(prompt), draft_len, rollback)
+    target, propose = stats.observe(reference_target(params, cfg, rollback)), stats.timed("draft", checked(drafter, cfg))
     if limit > 0:
-        logits, new_hidden, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+        logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg))
         tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
         on_tokens(tokens[-1:])
-        lap("prefill")
     draft_state = drafter.initial_state
     while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
         k = min(draft_len, limit - len(tokens) - 1)        # room for the target's own token after the drafts
-        draft, q, draft_state = drafter.propose(draft_state, list(prompt) + tokens, new_hidden, k, sampling, rng)
-        draft = [int(t) for t in draft]
-        if len(draft) > k or any(not 0 <= t < cfg.vocab_size for t in draft):
-            raise UserError(f"drafter {drafter.name} proposed {draft} for k={k}: ids must be in [0, {cfg.vocab_size})")
-        if sampling.temperature and (np.shape(q) != (len(draft), cfg.vocab_size) or
-                                     any(q[i, t] <= 0 for i, t in enumerate(draft))):
-            raise UserError(f"drafter {drafter.name}: q must be ({len(draft)}, {cfg.vocab_size}) distributions giving "
-                            f"each proposed token a probability > 0")
-        lap("draft")
-        before = state
-        logits, hidden, after, tapes = forward(params, cfg, tokens[-1:] + draft, state)     # verify
-        kept = keep_per_position(before, tapes) if rollback == "per-position" else None
-        if sampling.temperature == 0:
-            accepted, token = accept_greedy(draft, logits)
-        else:
-            accepted, token = accept_speculative(draft, q, probabilities(logits, sampling), rng.random(len(draft) + 1))
-        lap("verify")
-        n = accepted + 1                                     # verified positions kept: last token + accepted drafts
-        stats["rollback_bytes"] = max(stats["rollback_bytes"], nbytes(kept if kept is not None else tapes))
-        state = (commit_per_position(before, after, kept, n) if rollback == "per-position" else
-                 commit_replay(before, after, tapes, n))
-        lap("rollback")
-        new_hidden = hidden[:n]
-        stats["target_calls"] += 1
-        stats["proposed"] += len(draft)
-        stats["accepted"] += accepted
-        for i in range(len(draft)):
-            stats["proposed_by_position"][i] += 1
-            stats["accepted_by_position"][i] += i < accepted
-        new = draft[:accepted] + [token]
-        eos = next((i for i, t in enumerate(new) if t in cfg.eos_token_id), None)
-        new = new[:eos + 1] if eos is not None else new
-        tokens += new
-        on_tokens(new)
-    seconds["total"] = sum(seconds.values())
-    stats.update(new_tokens=len(tokens), seconds=seconds,
-                 tokens_per_call=(len(tokens) - 1) / stats["target_calls"] if stats["target_calls"] else 0.0)
-    return tokens, stats
+        draft, q, draft_state = propose(draft_state, list(prompt) + tokens, new_hidden, k, sampling, rng)
+        u = rng.random(len(draft) + 1) if sampling.temperature else None
+        r = speculative_round(target, state, tokens[-1:] + draft, q, sampling, u, cfg.eos_token_id)
+        state, new_hidden = r.state, r.hidden[:len(r.committed)]
+        stats.count(len(draft), r.accepted)
+        tokens += r.committed
+        on_tokens(r.committed)
+    return tokens, stats.result(len(tokens))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1061,6 +1160,55 @@ def text_stream(tokenizer, out):
             show(final=True)
         out.write("\n")
     return on_tokens, finish
+
+
+def nbytes(tree):
+    if isinstance(tree, np.ndarray):
+        return tree.nbytes
+    return sum(nbytes(x) for x in tree) if isinstance(tree, (list, tuple)) else 0
+
+
+class SpeculationStats:
+    """An observer of generate_speculative: the time of each phase, the drafts proposed and accepted by position,
+    and the bytes the rollback strategy holds (the --json stats)."""
+
+    def __init__(self, prompt_tokens, draft_len, rollback):
+        self.start, self.rollback_bytes = time.perf_counter(), 0
+        self.seconds = dict.fromkeys(("prefill", "draft", "verify", "rollback"), 0.0)
+        self.counts = {"prompt_tokens": prompt_tokens, "target_calls": 0, "proposed": 0, "accepted": 0,
+                       "accepted_by_position": [0] * draft_len, "proposed_by_position": [0] * draft_len}
+        self.rollback = rollback
+
+    def timed(self, phase, fn):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+        return run
+
+    def observe(self, target):  # the target with its verify ("verify") and commit ("rollback") timed
+        def verify(state, tokens):
+            logits, hidden, pending = target.verify(state, tokens)
+            self.rollback_bytes = max(self.rollback_bytes, nbytes(pending.kept))
+            return logits, hidden, pending
+        return target._replace(verify=self.timed("verify", verify), commit=self.timed("rollback", target.commit))
+
+    def count(self, proposed, accepted):
+        c = self.counts
+        c["target_calls"] += 1
+        c["proposed"] += proposed
+        c["accepted"] += accepted
+        for i in range(proposed):
+            c["proposed_by_position"][i] += 1
+            c["accepted_by_position"][i] += i < accepted
+
+    def result(self, new_tokens):
+        calls = self.counts["target_calls"]
+        return {**self.counts, "rollback": self.rollback, "rollback_bytes": self.rollback_bytes,
+                "new_tokens": new_tokens, "tokens_per_call": (new_tokens - 1) / calls if calls else 0.0,
+                "seconds": {**self.seconds, "total": time.perf_counter() - self.start}}
 
 
 def summary(stats):
