@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-SUITE_VERSION = 2          # bump on any change to the format or to what a case means (INTERPRETING.md)
+SUITE_VERSION = 3          # bump on any change to the format or to what a case means (INTERPRETING.md)
 REGENERATE = "python -m conformance generate"
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent         # checkpoint paths in manifests are relative to the repository root
@@ -59,6 +59,9 @@ FEATURES = {
     "rollback:replay": "commit by replaying the kept steps from the pre-verify state",
     "accept:greedy": "accept the longest draft prefix equal to the target argmax",
     "accept:sampling": "speculative sampling (Leviathan et al.) with given uniforms",
+    # serving traces (Engine.run_trace: batches of steps on named requests; INTERPRETING.md section 4)
+    "trace": "run a serving trace: prefill and verify rows of several requests per batch, releases",
+    "snapshot": "copy a request's committed state as a prefix-cache entry and start new requests from it",
     # checkpoint properties beyond the default model
     "moe": "qwen3_5_moe: every FFN is a routed MoE",
     "untied_embeddings": "lm_head.weight separate from embed_tokens",
@@ -98,6 +101,28 @@ class Case(NamedTuple):
     inputs: dict                 # name -> array
     outputs: dict                # name -> Output
     checkpoint: str | None = None  # directory name under weights/
+
+
+def state_tensors(state):
+    """A State (reference.State's fields: layers, length) as the suite names it: state.layers.{i}.{S,conv}
+    (DeltaNet), .{k,v} (attention) in the reference's layouts, state.length."""
+    tensors = {"state.length": np.array([state.length], dtype=np.int64)}
+    for i, layer in enumerate(state.layers):
+        for field, value in layer._asdict().items():
+            tensors[f"state.layers.{i}.{field}"] = value.astype(np.float32)
+    return tensors
+
+
+def trace_batches(attrs, inputs):
+    """A trace case's steps as reference.run_trace takes them: the manifest's batches, each sampled commit rule given
+    its q and uniforms (inputs b<batch>.s<step>.q and .uniforms)."""
+    batches = []
+    for b, batch in enumerate(attrs["batches"]):
+        batches.append([])
+        for s, step in enumerate(batch):
+            arrays = {name: inputs[f"b{b}.s{s}.{name}"] for name in ("q", "uniforms") if f"b{b}.s{s}.{name}" in inputs}
+            batches[-1].append({**step, "commit": {**step["commit"], **arrays}} if arrays else step)
+    return batches
 
 
 def sha256_file(path):

@@ -13,94 +13,26 @@ import json
 import shutil
 import sys
 import tempfile
-import zlib
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 import reference as R
-from conformance.engines.reference import state_tensors
 from conformance.format import (EXPECTED, INPUTS, MANIFEST, TOLERANCES, Case, Output, case_dirs, checkpoint_dir,
                                 read_tensors, write_case)
+from conformance.golden import (DRAFT_LEN, GREEDY, checkpoint_features, f32, f64, i64, middle_of, model, rng_for,
+                                runner_up, sampled_drafts, sampling_attrs, state_outputs)
+from conformance.traces import trace_cases
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
                "tiny-draft")
 TEXT = ('def decode(model, state, tokens):\n    """Three layers of Gated DeltaNet for every layer of attention: '
         'one token after another, the state carried along."""\n    for token in tokens:\n'
         '        logits, state = model.step(state, token)\n    return logits, state\n')
-DRAFT_LEN = 4                     # K
-GREEDY = R.Sampling(0.0, 0, 1.0)
-
-
-def rng_for(name):
-    return np.random.default_rng(zlib.crc32(name.encode()))
-
-
-def f32(x):
-    return np.asarray(x, dtype=np.float32)
-
-
-def f64(x):
-    return np.asarray(x, dtype=np.float64)
-
-
-def i64(x):
-    return np.asarray(x, dtype=np.int64)
-
-
-@lru_cache(maxsize=None)
-def model(checkpoint):
-    """(Config, weights in float64): the float32 (or bf16) weights upcast exactly."""
-    cfg, params = R.load_model(checkpoint_dir(checkpoint))
-    return cfg, R.cast(params, np.float64)
-
-
-@lru_cache(maxsize=None)
-def checkpoint_features(checkpoint):
-    """The checkpoint properties (format.FEATURES) that differ from the default model's."""
-    folder = checkpoint_dir(checkpoint)
-    cfg, names, raw = model(checkpoint)[0], R.read_checkpoint_files(folder), R.read_json(folder / "config.json")
-    ratio = cfg.linear_num_value_heads // cfg.linear_num_key_heads
-    tags = [("moe", cfg.is_moe), ("untied_embeddings", not cfg.tie_word_embeddings),
-            (f"gva_ratio_{ratio}", ratio != 2),
-            ("unequal_head_dims", cfg.linear_key_head_dim != cfg.linear_value_head_dim),
-            (f"conv_kernel_{cfg.linear_conv_kernel_dim}", cfg.linear_conv_kernel_dim != 4),
-            (f"partial_rotary_{cfg.partial_rotary_factor:g}", cfg.partial_rotary_factor != 0.25),
-            ("multimodal_layout", "text_config" in raw),
-            ("per_expert_weights", any(R.EXPERT_TENSOR.match(n) for n in names)),
-            ("mtp_weights", any(n.startswith("mtp.") for n in names))]
-    return tuple(tag for tag, present in tags if present)
-
-
 def prompt(checkpoint, n):
     ids = R.load_tokenizer(checkpoint_dir(checkpoint)).encode(TEXT).ids
     assert len(ids) >= n, f"TEXT has {len(ids)} tokens, {n} wanted"
     return i64(ids[:n])
-
-
-def tie_margin(a, b):
-    """Two logits closer than this may swap order in a conforming engine: each may be off by the logits tolerance."""
-    tol = TOLERANCES["logits"]
-    return 2 * (tol["atol"] + tol["rtol"] * max(abs(a), abs(b)))
-
-
-def runner_up(row):
-    """(argmax, second token, whether the two are within tolerance of each other) for one row of logits."""
-    first, second = np.argsort(-row, kind="stable")[:2]
-    return int(first), int(second), bool(row[first] - row[second] <= tie_margin(row[first], row[second]))
-
-
-def state_outputs(state):
-    return {name: Output("exact" if name == "state.length" else "state", value, requires="state_export")
-            for name, value in state_tensors(state).items()}
-
-
-def middle_of(cdf, j):
-    """A uniform in the middle of token j's interval of the (unnormalised) CDF: the draw that picks j with the most
-    room on both sides."""
-    low = cdf[j - 1] if j else 0.0
-    return (low + cdf[j]) / 2 / cdf[-1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -316,10 +248,6 @@ SAMPLING_CASES = {
 }
 
 
-def sampling_attrs(sampling):
-    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
-
-
 def sampling_cases(N=6, V=272):
     for name, (sampling, logits_kind) in SAMPLING_CASES.items():
         rng = rng_for(name)
@@ -415,30 +343,8 @@ def spec_sampling_cases(checkpoint, runs):
     prompt_ids, state, last = prefilled(checkpoint)
     V = cfg.vocab_size
     for a, sampling in runs:
-        rng = rng_for(f"spec-sampling-{checkpoint}-{a}")
-        draft, q, uniforms = [], [], []
-        for i in range(DRAFT_LEN):
-            logits = R.forward(params, cfg, [last] + draft, state)[0][-1]
-            p = R.probabilities(logits, sampling).astype(np.float64)
-            q_i = R.softmax(logits.astype(np.float64) / max(sampling.temperature, 1.0) + rng.normal(0, 2.0, V))
-            ratio = p / q_i
-            if i < a:
-                pool = ratio >= 0.3
-            elif i == a:
-                pool = (ratio > 0) & (ratio <= 0.7) if ((ratio > 0) & (ratio <= 0.7)).any() else ratio <= 0.7
-            else:
-                pool = np.ones(V, bool)
-            x = int(rng.choice(V, p=np.where(pool, q_i, 0) / np.where(pool, q_i, 0).sum()))
-            r = min(1.0, ratio[x])
-            draft.append(x)
-            q.append(q_i)
-            uniforms.append(r / 2 if i < a else (1 + r) / 2 if i == a else rng.uniform())
-        verify_logits = R.forward(params, cfg, [last] + draft, state)[0]
-        p = R.probabilities(verify_logits, sampling)
-        final = np.maximum(p[a] - f32(q[a]), 0) if a < DRAFT_LEN else p[a]
-        final = final if final.sum() > 0 else p[a]
-        j = int(rng.choice(V, p=final / final.sum()))
-        uniforms.append(middle_of(np.cumsum(final), j))
+        draft, q, uniforms = sampled_drafts(params, cfg, state, last, DRAFT_LEN, a, sampling,
+                                            rng_for(f"spec-sampling-{checkpoint}-{a}"))
         for rollback in R.ROLLBACK_STRATEGIES:
             yield spec_case(checkpoint, f"sampling-accept{a}", prompt_ids, state, [last] + draft, f32(q),
                             f32(uniforms), sampling, a, rollback)
@@ -459,6 +365,7 @@ def all_cases():
     yield from model_cases()
     yield from sampling_cases()
     yield from speculative_cases()
+    yield from trace_cases()
 
 
 def generate(out_dir, progress=None, cases=None):

@@ -12,9 +12,10 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
+import reference as R
 from conformance.engines import get_engine
 from conformance.format import (CASES_DIR, EXPECTED, FEATURES, HERE, INPUTS, PRECISIONS, ROOT, SUITE_VERSION,
-                                case_dirs, read_manifest, read_tensors)
+                                case_dirs, read_manifest, read_tensors, trace_batches)
 
 OUT_DIR = HERE / "_out"           # actual outputs of failing cases, for inspection
 SHOWN_MISMATCHES = 5
@@ -60,27 +61,47 @@ def drive_sampling(engine, meta, inputs, expected, model):
     return {"probabilities": p, "tokens": tokens}
 
 
+def decisions_compared(meta, engine):
+    """False at a precision whose profile leaves decisions out (bf16): the golden's decisions are then committed, so
+    that what follows them stays comparable (INTERPRETING.md section 6)."""
+    return all(at_precision(spec, engine.precision).get("compared", True) for spec in meta["outputs"].values()
+               if spec["tolerance"] == "decision")
+
+
 def drive_speculative(engine, meta, inputs, expected, model):
-    """Prefill, verify [last + drafts], accept, commit accepted + 1 positions, then decode the new token. At a
-    precision that does not compare decisions, the golden's decision is committed, so what follows stays comparable."""
+    """Prefill, then reference.speculative_round on the engine (verify [last + drafts], accept, commit), then decode
+    the new token."""
     attrs, tokens = meta["attrs"], inputs["verify_tokens"]
-    _, state = engine.prefill(model, inputs["prompt"])
-    logits, pending = engine.verify(model, state, tokens, attrs["rollback"])
-    accepted, token = engine.accept(tokens[1:], inputs.get("q"), logits, sampling_settings(attrs),
-                                    inputs.get("uniforms"))
-    actual = {"verify_logits": logits, "accepted": np.array([accepted]),
-              "committed": np.append(tokens[1:accepted + 1], token)}
-    if not at_precision(meta["outputs"]["accepted"], engine.precision).get("compared", True):
-        accepted, token = int(expected["accepted"][0]), int(expected["committed"][-1])
-    state = engine.commit(model, pending, accepted + 1)
+    target = engine.target(model, attrs["rollback"])
+    _, state = target.extend(None, inputs["prompt"])
+    keep = None if decisions_compared(meta, engine) else len(expected["committed"])
+    r = R.speculative_round(target, state, tokens, inputs.get("q"), R.sampling_of(attrs), inputs.get("uniforms"),
+                            keep=keep)
+    actual = {"verify_logits": r.logits}
+    if r.committed is not None:
+        actual.update(accepted=np.array([r.accepted]), committed=np.array(r.committed))
     if "state_export" in engine.features:
-        actual.update(engine.export_state(model, state))
-    actual["next_logits"] = engine.decode(model, state, np.array([token], dtype=np.int64))[0]
+        actual.update(engine.export_state(model, r.state))
+    token = r.committed[-1] if r.committed is not None else int(expected["committed"][-1])
+    actual["next_logits"] = target.extend(r.state, [token])[0]
+    return actual
+
+
+def drive_trace(engine, meta, inputs, expected, model):
+    """The trace's batches through engine.run_trace; outputs named b<batch>.s<step>.<output>."""
+    batches = trace_batches(meta["attrs"], inputs)
+    if not decisions_compared(meta, engine):
+        batches = [[{**step, "commit": {"keep": len(expected[f"b{b}.s{s}.committed"])}}
+                    if f"b{b}.s{s}.committed" in expected else step for s, step in enumerate(batch)]
+                   for b, batch in enumerate(batches)]
+    actual = {}
+    for b, s, out in engine.run_trace(model, batches, meta["attrs"].get("rollback"), meta["attrs"]["slots"]):
+        actual.update({f"b{b}.s{s}.{name}": np.atleast_1d(np.asarray(value)) for name, value in out.items()})
     return actual
 
 
 DRIVERS = {"forward": drive_forward, "greedy": drive_greedy, "sampling": drive_sampling,
-           "speculative": drive_speculative}
+           "speculative": drive_speculative, "trace": drive_trace}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,6 +176,14 @@ def skip_result(name, missing, unsupported, engine_name):
     return Result(name, "SKIP", False, f"lacks {', '.join(missing)}: {' / '.join(reasons)}", None, None, (), {})
 
 
+def outputs_named(names, specs):
+    """Output names for a note: listed when few, else counted by tolerance kind (a trace has hundreds)."""
+    if len(names) <= 6:
+        return ", ".join(names)
+    kinds = [specs[name]["tolerance"] for name in names]
+    return ", ".join(f"{kinds.count(kind)} {kind} outputs" for kind in dict.fromkeys(kinds))
+
+
 def run_case(engine, folder, meta, unsupported, known_failures, load_model):
     name = meta["name"]
     missing = [f for f in meta["features"] if f not in engine.features]
@@ -164,7 +193,7 @@ def run_case(engine, folder, meta, unsupported, known_failures, load_model):
     uncompared = sorted(out for out, spec in specs.items() if not spec.get("compared", True))
     if uncompared and all(spec["tolerance"] == "exact" for out, spec in specs.items() if out not in uncompared):
         # nothing left but lengths to compare: the case says nothing about the engine at this precision
-        return Result(name, "SKIP", False, f"{', '.join(uncompared)}: not compared at {engine.precision} "
+        return Result(name, "SKIP", False, f"{outputs_named(uncompared, specs)}: not compared at {engine.precision} "
                       "(tolerances.json says why)", None, None, (), {})
     inputs, expected = read_tensors(folder, INPUTS), read_tensors(folder, EXPECTED)
     try:
@@ -182,7 +211,7 @@ def run_case(engine, folder, meta, unsupported, known_failures, load_model):
                               if spec.get("requires") and spec["requires"] not in engine.features})
     notes = [f"{out}: {line}" for out, c in compared.items() if c.ok for line in c.lines]
     notes += [f"outputs needing {f} not compared" for f in skipped_outputs]
-    notes += [f"{', '.join(uncompared)}: not compared at {engine.precision}"] if uncompared else []
+    notes += [f"{outputs_named(uncompared, specs)}: not compared at {engine.precision}"] if uncompared else []
     known = next((v for pattern, v in known_failures.items() if fnmatch.fnmatchcase(name, pattern)), None)
     if known:
         unexpected = status != known["expected"]
@@ -225,10 +254,20 @@ def print_table(results, out):
                 print(f"  {line}", file=out)
 
 
+def runs_of(meta):
+    """A trace with drafts runs once per rollback strategy (its goldens hold for both), named <case>@<strategy>;
+    every other case runs once."""
+    if meta["kind"] != "trace" or "speculative" not in meta["features"]:
+        return [meta]
+    return [{**meta, "name": f"{meta['name']}@{strategy}", "features": [*meta["features"], f"rollback:{strategy}"],
+             "attrs": {**meta["attrs"], "rollback": strategy}} for strategy in R.ROLLBACK_STRATEGIES]
+
+
 def select_cases(cases_dir, pattern):
-    """Manifests of the cases whose name matches the regular expression; any unusable golden stops the run."""
-    return [(folder, read_manifest(folder)) for folder in case_dirs(cases_dir)
-            if not pattern or re.search(pattern, folder.name)]
+    """(folder, manifest) of each run of the cases whose name matches the regular expression (runs_of); any
+    unusable golden stops the run."""
+    return [(folder, run) for folder in case_dirs(cases_dir) if not pattern or re.search(pattern, folder.name)
+            for run in runs_of(read_manifest(folder))]
 
 
 def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None):

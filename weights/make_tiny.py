@@ -42,7 +42,7 @@ MOE = dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"
 # layout: nested text_config, `model.language_model.` prefix), per_expert (unfused MoE experts, as some MTP layers are).
 CHECKPOINTS = {
     "tiny-mtp": (dict(num_hidden_layers=8, mtp_num_hidden_layers=1), {"mtp": True}),
-    "tiny-dense": (dict(tie_word_embeddings=False), {}),
+    "tiny-dense": (dict(tie_word_embeddings=False, max_position_embeddings=2048), {}),  # room for a >1000-token trace
     "tiny-moe": (dict(MOE, tie_word_embeddings=False), {}),
     "tiny-moe-per-expert-mtp": (dict(MOE, mtp_num_hidden_layers=1), {"mtp": True, "per_expert": True}),
     "tiny-odd": (dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=12, linear_value_head_dim=20,

@@ -11,8 +11,11 @@ the engine likes; the runner only passes them back. Sampling settings are a dict
 import importlib
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+import reference as R
 
 ENGINES = {}
 
@@ -57,6 +60,8 @@ class Engine:
         sampling                         sample
         speculative, rollback:*          verify, commit
         accept:greedy, accept:sampling   accept
+        trace                            (the default run_trace drives the methods above, one step at a time)
+        snapshot                         copy_state
     """
     name = "?"
     features = frozenset()
@@ -108,6 +113,51 @@ class Engine:
         """Drafts (K,), draft distributions q (K, V) or None, verify logits (K+1, V), uniforms (K+1,) or None ->
         (number of accepted drafts, the target's next token)."""
         raise NotImplementedError
+
+    def copy_state(self, model, state):
+        """A copy of `state` that later calls cannot change: a prefix-cache entry that new requests start from."""
+        raise NotImplementedError
+
+    def target(self, model, rollback):
+        """The engine as a reference.Target, which reference.speculative_round and reference.run_trace drive. A row
+        without drafts is a plain decoding step: decode, then the argmax or a draw with the supplied uniform."""
+        def extend(state, tokens):
+            tokens = np.asarray(tokens, dtype=np.int64)
+            return self.prefill(model, tokens) if state is None else self.decode(model, state, tokens)
+
+        def verify(state, tokens):
+            if len(tokens) == 1:
+                logits, state = extend(state, tokens)
+                return logits, None, Plain(state)
+            logits, pending = self.verify(model, state, np.asarray(tokens, dtype=np.int64), rollback)
+            return logits, None, pending
+
+        def commit(pending, n):
+            return pending.state if isinstance(pending, Plain) else self.commit(model, pending, n)
+
+        def accept(draft, q, logits, sampling, uniforms):
+            if draft:
+                return self.accept(draft, q, logits, sampling._asdict(), uniforms)
+            if sampling.temperature == 0:
+                return 0, int(np.argmax(logits[0]))
+            return 0, int(self.sample(logits[:1], sampling._asdict(), uniforms[:1])[1][0])
+        return R.Target(extend, verify, commit, accept, lambda state: self.copy_state(model, state))
+
+    def run_trace(self, model, batches, rollback, slots):
+        """A serving trace (INTERPRETING.md section 4) -> yields (batch, step, outputs) after each step, as
+        reference.run_trace, with a state output as export_state names it (dropped without state_export). This
+        default runs the steps one by one; an engine with a batched path overrides it and runs each batch's rows
+        together, in at most `slots` request slots."""
+        for b, s, out in R.run_trace(self.target(model, rollback), batches):
+            state = out.pop("state", None)
+            if state is not None and "state_export" in self.features:
+                out.update(self.export_state(model, state))
+            yield b, s, out
+
+
+class Plain(NamedTuple):
+    """What a verify row without drafts leaves for its commit: the decoded state, nothing to roll back."""
+    state: object
 
 
 def inverse_cdf_draw(p, uniforms):

@@ -134,6 +134,9 @@ class Jax(Engine):
         p = jax_impl.probabilities(jnp.asarray(logits), sampling_of(sampling))
         return host(p), host(jax.vmap(jax_impl.sample)(p, jnp.asarray(uniforms)))
 
+    def copy_state(self, model, state):
+        return jax.tree.map(jnp.copy, state)     # decode donates its state: a prefix-cache entry needs its own buffers
+
     def verify(self, model, state, tokens, rollback):
         cfg, params = model
         logits, _, after, kept = jax_impl.verify(params, cfg, jnp.asarray(tokens, jnp.int32), state, rollback)

@@ -7,6 +7,7 @@ no mlx-lm module, so their model_type is overridden with the module that handles
 what is unsupported and what mlx-lm gets wrong.
 """
 
+import copy
 import json
 import tempfile
 from pathlib import Path
@@ -61,7 +62,7 @@ def sampler_logits(sampling, logprobs):
 @register_engine("mlx")
 class Mlx(Engine):
     features = frozenset({"gated_delta_rule", "prefill", "decode", "extend", "greedy", "state_export", "sampling",
-                          "moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims", "conv_kernel_3",
+                          "trace", "snapshot", "moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims", "conv_kernel_3",
                           "partial_rotary_0.5", "multimodal_layout", "per_expert_weights", "mtp_weights"})
 
     def load(self, checkpoint_dir):
@@ -78,6 +79,9 @@ class Mlx(Engine):
     def decode(self, model, cache, tokens):
         logits = model(mx.array(tokens.astype(np.int32))[None], cache=cache)
         return array(logits[0]), cache
+
+    def copy_state(self, model, cache):
+        return copy.deepcopy(cache)              # a decode writes into the caches in place
 
     def export_state(self, model, cache):
         """mlx caches -> suite names: the conv window is already (W-1, C); S is stored (Hv, Dv, Dk) and K/V as

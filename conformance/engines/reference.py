@@ -87,14 +87,6 @@ OPS = {
 }
 
 
-class Pending:
-    """What a verify pass leaves for commit: the states around it, and the kept states or tapes of its strategy."""
-
-    def __init__(self, before, after, tapes, rollback):
-        self.before, self.after, self.tapes, self.rollback = before, after, tapes, rollback
-        self.kept = R.keep_per_position(before, tapes) if rollback == "per-position" else None
-
-
 @register_engine("reference")
 class Reference(Engine):
     features = frozenset(FEATURES)
@@ -122,16 +114,14 @@ class Reference(Engine):
 
     def verify(self, model, state, tokens, rollback):
         cfg, params = model
-        logits, _, after, tapes = R.forward(params, cfg, tokens, state)
-        return logits, Pending(state, after, tapes, rollback)
+        logits, _, verified = R.verify(params, cfg, state, tokens, rollback)
+        return logits, verified
 
-    def commit(self, model, pending, n):
-        if pending.rollback == "per-position":
-            return R.commit_per_position(pending.before, pending.after, pending.kept, n)
-        return R.commit_replay(pending.before, pending.after, pending.tapes, n)
+    def commit(self, model, verified, n):
+        return R.commit(verified, n)
 
     def accept(self, draft, q, logits, sampling, uniforms):
-        sampling = sampling_of(sampling)
-        if sampling.temperature == 0:
-            return R.accept_greedy(list(draft), logits)
-        return R.accept_speculative(list(draft), q, R.probabilities(logits, sampling), uniforms)
+        return R.accept(list(draft), q, logits, sampling_of(sampling), uniforms)
+
+    def copy_state(self, model, state):
+        return state                    # a reference State is a value: no call ever changes one

@@ -6,6 +6,8 @@ case's weights, so they check transformers' code rather than a re-implementation
 unsupported: transformers cannot roll back a Gated DeltaNet state (expectations/transformers.json has the evidence).
 """
 
+import copy
+
 import numpy as np
 import torch
 from torch.nn import functional as F
@@ -26,7 +28,7 @@ def tensor(a):
 
 
 def array(t):
-    return t.detach().to(torch.float32).numpy()
+    return t.detach().to(torch.float32).numpy().copy()    # a copy: the cache's tensors change in place later
 
 
 def text_config(attrs, hidden_size, layer_type, moe=False):
@@ -159,6 +161,9 @@ class Transformers(Engine):
     def decode(self, model, state, tokens):
         out = model(input_ids=tensor(tokens)[None], past_key_values=state, use_cache=True)
         return array(out.logits[0]), out.past_key_values
+
+    def copy_state(self, model, cache):
+        return copy.deepcopy(cache)              # decode updates a DynamicCache in place
 
     def export_state(self, model, cache):
         """DynamicCache -> suite names: conv window = the last W-1 of the W cached columns, K/V as (S, Hkv, Dh)."""
