@@ -16,7 +16,7 @@ from conformance import generate as G
 from conformance.format import CASES_DIR, EXPECTED, MANIFEST, REGENERATE, TOLERANCES, read_tensors
 from conftest import ROOT
 
-SIZE_LIMIT = 10 * 2**20
+SIZE_LIMIT = 20 * 2**20          # the serving traces hold a state after every commit: the 4-layer checkpoints keep them small
 
 
 def test_regenerating_changes_nothing_but_float32_rounding(tmp_path):
