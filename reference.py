@@ -18,6 +18,7 @@ Speculative sampling: Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -71,10 +72,11 @@ class Config:
         def check(ok, field, value, why):
             if not ok:
                 raise UserError(f"config: {field}={value!r} {why}")
-        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                      "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                      "linear_value_head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta"):
-            check(getattr(self, field) > 0, field, getattr(self, field), "must be > 0")
+        unused = ("intermediate_size",) if self.is_moe else (
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+        for field in CONFIG_LIMITS:
+            if field not in unused:
+                check_limit(field, getattr(self, field))
         check(len(self.layer_types) == self.num_hidden_layers, "layer_types", len(self.layer_types),
               f"entries, expected num_hidden_layers={self.num_hidden_layers}")
         for kind in self.layer_types:
@@ -85,12 +87,12 @@ class Config:
               self.linear_num_key_heads, f"does not divide linear_num_value_heads={self.linear_num_value_heads}")
         check(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, "partial_rotary_factor",
               self.partial_rotary_factor, f"gives rotary dim {self.rotary_dim}, not even and in (0, {self.head_dim}]")
-        check(self.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim", self.linear_conv_kernel_dim, "must be >= 2")
         if self.is_moe:
             check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,
                   f"must be in [1, num_experts={self.num_experts}]")
-        else:
-            check(self.intermediate_size > 0, "intermediate_size", self.intermediate_size, "must be > 0")
+        for token in self.eos_token_id:
+            check(0 <= token < self.vocab_size, "eos_token_id", token,
+                  f"is outside the vocabulary [0, {self.vocab_size})")
 
     @property
     def is_moe(self):
@@ -109,6 +111,25 @@ class Config:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
 
+# Sane bounds, checked before anything is built from a config: every published Qwen3.5 model is well inside them,
+# and positions stay exact in float32 (RoPE angles) and int32 (jax_impl) up to max_position_embeddings.
+CONFIG_LIMITS = {
+    "vocab_size": (1, 2**20), "hidden_size": (1, 2**16), "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "head_dim": (1, 1024),
+    "linear_num_key_heads": (1, 1024), "linear_num_value_heads": (1, 1024), "linear_key_head_dim": (1, 1024),
+    "linear_value_head_dim": (1, 1024), "linear_conv_kernel_dim": (2, 64), "max_position_embeddings": (1, 2**24),
+    "rms_norm_eps": (1e-12, 1.0), "rope_theta": (1.0, 1e12), "partial_rotary_factor": (0.0, 1.0),
+    "intermediate_size": (1, 2**18), "num_experts": (1, 4096), "num_experts_per_tok": (1, 4096),
+    "moe_intermediate_size": (1, 2**18), "shared_expert_intermediate_size": (1, 2**18),
+    "mtp_num_hidden_layers": (0, 1024)}
+
+
+def check_limit(field, value):
+    low, high = CONFIG_LIMITS[field]
+    if not low <= value <= high:  # also false for nan
+        raise UserError(f"config: {field}={value!r} must be in [{low}, {high}]")
+
+
 MODEL_TYPES = {"qwen3_5_text": None, "qwen3_5": "text_config", "qwen3_5_moe_text": None, "qwen3_5_moe": "text_config"}
 
 
@@ -121,10 +142,12 @@ def config_from_dict(raw, generation_config=None):
     """config.json (flat text config, or multimodal with `text_config`) -> Config."""
     if not isinstance(raw, dict):
         raise UserError(f"config: expected a JSON object, got {type(raw).__name__}")
+    if not isinstance(generation_config, (dict, type(None))):
+        raise UserError(f"generation config: expected a JSON object, got {type(generation_config).__name__}")
     model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise UserError(f"config: model_type={model_type!r} is not one of {sorted(MODEL_TYPES)}")
-    text = raw[MODEL_TYPES[model_type]] if MODEL_TYPES[model_type] else raw
+    text = raw.get(MODEL_TYPES[model_type]) if MODEL_TYPES[model_type] else raw
     if not isinstance(text, dict):
         raise UserError(f"config: text_config={text!r} is not an object")
     moe = model_type.startswith("qwen3_5_moe")
@@ -137,26 +160,33 @@ def config_from_dict(raw, generation_config=None):
             raise UserError(f"config: {key}={value!r} has the wrong type, expected {getattr(kind, '__name__', 'number')}")
         return value
 
+    def optional(key, kind):  # a field that may be absent or null
+        return get(key, None, kind) if text.get(key) is not None else None
+
     if get("hidden_act", "silu", str) != "silu":
         raise UserError(f"config: hidden_act={text['hidden_act']!r} is not supported (only 'silu')")
     if get("attention_bias", False, bool):
         raise UserError("config: attention_bias=true is not supported (no released Qwen3.5 model has it)")
     # RoPE: `rope_parameters` (transformers v5) or the legacy top-level rope_theta / rope_scaling fields.
-    rope = dict(text.get("rope_scaling") or {})
+    rope = dict(optional("rope_scaling", dict) or {})
     rope.update({k: text[k] for k in ("rope_theta", "partial_rotary_factor") if k in text})
-    rope.update(text.get("rope_parameters") or {})
+    rope.update(optional("rope_parameters", dict) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise UserError(f"config: rope_type={rope_type!r} is not supported (only 'default')")
     # (Text-only input puts the same position in all three mRoPE sections, which is exactly 1-D RoPE.)
     num_layers, interval = get("num_hidden_layers"), get("full_attention_interval", 4)
+    check_limit("num_hidden_layers", num_layers)  # before a list of that many layer types is built
     if interval < 1:
         raise UserError(f"config: full_attention_interval={interval} must be >= 1")
-    layer_types = text.get("layer_types") or layer_types_from_interval(num_layers, interval)
+    layer_types = optional("layer_types", list) or layer_types_from_interval(num_layers, interval)
     eos = set()
     for source in (text, raw, generation_config or {}):
         value = source.get("eos_token_id")
-        eos.update(value if isinstance(value, list) else [] if value is None else [value])
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise UserError(f"config: eos_token_id={value!r} must be an integer or a list of integers")
+        eos.update(ids)
     fields = dict(
         model_type="qwen3_5_moe_text" if moe else "qwen3_5_text", vocab_size=get("vocab_size"),
         hidden_size=get("hidden_size"), num_hidden_layers=num_layers, layer_types=tuple(layer_types),
@@ -167,7 +197,7 @@ def config_from_dict(raw, generation_config=None):
         rms_norm_eps=get("rms_norm_eps", 1e-6, (int, float)), max_position_embeddings=get("max_position_embeddings"),
         rope_theta=get("rope_theta", 10000.0, (int, float), rope),
         partial_rotary_factor=get("partial_rotary_factor", 0.25, (int, float), rope),  # transformers' Qwen3.5 default
-        tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+        tie_word_embeddings=get("tie_word_embeddings", get("tie_word_embeddings", False, bool), bool, raw),
         eos_token_id=tuple(sorted(eos)), mtp_num_hidden_layers=get("mtp_num_hidden_layers", 0))
     if moe:
         fields.update(num_experts=get("num_experts"), num_experts_per_tok=get("num_experts_per_tok"),
@@ -178,10 +208,18 @@ def config_from_dict(raw, generation_config=None):
     return Config(**fields)
 
 
+MAX_JSON_BYTES = 2**26  # config, generation config, shard index, n-gram table
+
+
 def read_json(path):
+    """A JSON file of at most MAX_JSON_BYTES (checked before reading it)."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_JSON_BYTES:
+                raise UserError(f"{path}: {size} bytes, more than the {MAX_JSON_BYTES} a JSON file may have")
+            return json.loads(f.read())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an integer too long
         raise UserError(f"{path}: cannot read JSON ({e})") from None
 
 

@@ -60,18 +60,40 @@ BAD_CONFIGS = [
     ({"layer_types": ["mamba"] * 4}, "layer_types='mamba' is not a known layer type"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-    ({"rms_norm_eps": -1}, "rms_norm_eps=-1 must be > 0"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps=-1 must be in [1e-12, 1.0]"),
     ({"rope_parameters": {"rope_theta": "big"}}, "rope_theta=.big. has the wrong type"),
-    ({"intermediate_size": 0}, "intermediate_size=0 must be > 0"),
-    ({"linear_num_key_heads": 0}, "linear_num_key_heads=0 must be > 0"),
+    ({"intermediate_size": 0}, "intermediate_size=0 must be in [1, 262144]"),
+    ({"linear_num_key_heads": 0}, "linear_num_key_heads=0 must be in [1, 1024]"),
+    # sizes are bounded before anything is built from them (a 10**9-entry layer list took 43 s and 6.8 GB)
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000 must be in [1, 1024]"),
+    ({"max_position_embeddings": 10**12}, "max_position_embeddings=1000000000000 must be in [1, 16777216]"),
+    ({"vocab_size": 2**40}, "vocab_size=1099511627776 must be in [1, 1048576]"),
+    ({"rms_norm_eps": float("inf")}, "rms_norm_eps=inf must be in"),
+    ({"rope_parameters": {"rope_theta": 10**400}}, "rope_theta=1000.* must be in [1.0, 1000000000000.0]"),
+    ({"rope_parameters": {"partial_rotary_factor": float("nan")}}, "partial_rotary_factor=nan must be in [0.0, 1.0]"),
+    # wrong types that used to escape as TypeError / AttributeError
+    ({"model_type": ["qwen3_5_text"]}, "model_type=['qwen3_5_text'] is not one of"),
+    ({"model_type": "qwen3_5"}, "text_config=None is not an object"),
+    ({"rope_scaling": [1, 2]}, "rope_scaling=[1, 2] has the wrong type, expected dict"),
+    ({"layer_types": "full_attention"}, "layer_types='full_attention' has the wrong type, expected list"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes' has the wrong type, expected bool"),
+    ({"eos_token_id": [[1]]}, "eos_token_id=[[1]] must be an integer or a list of integers"),
+    ({"eos_token_id": 272}, r"eos_token_id=272 is outside the vocabulary [0, 272)"),
 ]
 
 
 @pytest.mark.parametrize("change, message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
 def test_config_errors_name_the_field_and_value(change, message):
     raw = {**DENSE, **change}
-    with pytest.raises(R.UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    for bracket in "()[]":
+        message = message.replace(bracket, "\\" + bracket)
+    with pytest.raises(R.UserError, match=message):
         R.config_from_dict({k: v for k, v in raw.items() if v is not None})
+
+
+def test_generation_config_must_be_an_object():
+    with pytest.raises(R.UserError, match="generation config: expected a JSON object, got list"):
+        R.config_from_dict(DENSE, [256])
 
 
 def test_missing_config_field():
