@@ -18,6 +18,7 @@ Speculative sampling: Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
-import safetensors
 from tokenizers import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "weights" / "default"
@@ -276,37 +276,95 @@ def checkpoint_shapes(cfg, with_mtp):
     return shapes
 
 
-SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+# The dtypes a checkpoint may store, little-endian as safetensors writes them; bf16 is read as its 16 bits.
+SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8")}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
-def read_safetensors(path):
-    """One .safetensors file -> {name: fp32 array}. bf16 is the top half of an fp32, so it upcasts exactly."""
+class StoredTensor(NamedTuple):
+    """Where one tensor lies in a .safetensors file. Its bytes are read only after the whole checkpoint's names,
+    dtypes, shapes and byte ranges are checked."""
+    path: Path
+    dtype: str           # a SAFETENSORS_DTYPES key
+    shape: tuple
+    offset: int          # of its first byte in the file
+
+
+def read_header(path):
+    """A .safetensors file's header -> {name: StoredTensor}, checked against the format and the file's size (the
+    tensors' byte ranges must tile the data section exactly, as the format requires). Reads no tensor data."""
+    def error(why):
+        return UserError(f"{path}: cannot read safetensors ({why})")
     try:
-        entries = safetensors.deserialize(Path(path).read_bytes())
-    except (OSError, safetensors.SafetensorError) as e:
-        raise UserError(f"{path}: cannot read safetensors ({e})") from None
-    tensors = {}
-    for name, entry in entries:
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise UserError(f"{path}: tensor {name} has dtype {entry['dtype']}, supported: {sorted(SAFETENSORS_DTYPES)}")
-        raw = np.frombuffer(entry["data"], dtype=SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-        if entry["dtype"] == "BF16":
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        tensors[name] = raw.astype(np.float32)
+        with open(path, "rb") as f:
+            size, length = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
+            if size < 8 or length > min(size - 8, MAX_HEADER_BYTES):
+                raise error(f"header length {length}: more than the {size} - 8 bytes of the file or "
+                            f"the format's limit of {MAX_HEADER_BYTES}")
+            text = f.read(length)
+    except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
+        raise error(e) from None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise error(f"the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise error("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_start, tensors, spans = 8 + length, {}, []
+    for name, entry in header.items():
+        fields = entry if isinstance(entry, dict) else {}
+        dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
+        if not (isinstance(dtype, str) and is_int_list(shape) and min(shape, default=0) >= 0 and
+                is_int_list(offsets) and len(offsets) == 2):
+            raise error(f"tensor {name}: expected a dtype, a shape and two data_offsets, got {entry!r:.200}")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise UserError(f"{path}: tensor {name} has dtype {dtype}, supported: {sorted(SAFETENSORS_DTYPES)}")
+        begin, end = offsets
+        if end - begin != math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize:
+            raise error(f"tensor {name}: data_offsets {offsets} do not hold a {dtype} tensor of shape {shape}")
+        tensors[name] = StoredTensor(Path(path), dtype, tuple(shape), data_start + begin)
+        spans.append((begin, end, name))
+    covered = 0
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            raise error(f"tensor {name} starts at data byte {begin}, expected {covered} (no gaps, no overlaps)")
+        covered = end
+    if covered != size - data_start:
+        raise error(f"the tensors cover {covered} data bytes, the file holds {size - data_start}")
     return tensors
 
 
-def read_checkpoint_files(model_dir):
-    """model.safetensors, or the shards listed in model.safetensors.index.json -> {name: fp32 array}."""
+def is_int_list(value):
+    return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def read_tensor(tensor):
+    """Map one checked StoredTensor and copy it out as fp32. bf16 is the top half of an fp32, so it upcasts exactly."""
+    if not math.prod(tensor.shape):
+        return np.zeros(tensor.shape, np.float32)
+    stored = np.asarray(np.memmap(tensor.path, SAFETENSORS_DTYPES[tensor.dtype], "r", tensor.offset, tensor.shape))
+    if tensor.dtype != "BF16":
+        return stored.astype(np.float32)
+    bits = stored.astype(np.uint32)
+    bits <<= 16
+    return bits.view(np.float32)
+
+
+def read_checkpoint_headers(model_dir):
+    """model.safetensors, or the shards listed in model.safetensors.index.json -> {name: StoredTensor}."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise UserError(f"{index}: no 'weight_map' object")
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(shard, str) for shard in weight_map.values())):
+            raise UserError(f"{index}: no 'weight_map' object from tensor names to shard files")
         tensors = {}
         for shard in sorted(set(weight_map.values())):
-            shard_tensors = read_safetensors(model_dir / shard)
+            if Path(shard).name != shard:
+                raise UserError(f"{index}: shard {shard!r} is not a file name in {model_dir}")
+            shard_tensors = read_header(model_dir / shard)
             for name in shard_tensors:
                 if weight_map.get(name) != shard:
                     raise UserError(f"{model_dir / shard}: tensor {name} is not listed for this shard in {index.name}")
@@ -316,40 +374,103 @@ def read_checkpoint_files(model_dir):
             raise UserError(f"{index}: tensor {listed_but_absent[0]} is listed but not in {weight_map[listed_but_absent[0]]}")
         return tensors
     if (model_dir / "model.safetensors").exists():
-        return read_safetensors(model_dir / "model.safetensors")
+        return read_header(model_dir / "model.safetensors")
     raise UserError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.([0-9]+)\.(gate_proj|up_proj|down_proj)\.weight\Z")
+
+
+class FusedExperts(NamedTuple):
+    """A fused MoE tensor stored per expert: expert e's slice is parts[e] (StoredTensors) concatenated on axis 0."""
+    parts: tuple
+    shape: tuple
 
 
 def canonical_names(tensors):
-    """Map the published layouts onto one: `model.language_model.` -> `model.`, drop the vision tower, and fuse
-    per-expert MoE tensors into experts.gate_up_proj (E, 2F, D) (gate rows first) and experts.down_proj (E, D, F)."""
+    """{name: StoredTensor} in one of the published layouts -> {canonical name: StoredTensor or FusedExperts}:
+    `model.language_model.` -> `model.`, the vision tower dropped, and per-expert MoE tensors fused into
+    experts.gate_up_proj (E, 2F, D) (gate rows first) and experts.down_proj (E, D, F)."""
     out, experts = {}, {}
-    for name, array in tensors.items():
+    for name, tensor in tensors.items():
         if name.startswith(("model.visual.", "visual.")):
             continue
         name = "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
         match = EXPERT_TENSOR.match(name)
         if match:
-            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = array
+            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
         else:
-            out[name] = array
+            out[name] = tensor
     for prefix, parts in experts.items():
         count = 1 + max(e for e, _ in parts)
         for e in range(count):
             for kind in ("gate_proj", "up_proj", "down_proj"):
                 if (e, kind) not in parts:
                     raise UserError(f"checkpoint: tensor {prefix}.{e}.{kind}.weight is missing")
-        try:
-            out[prefix + ".gate_up_proj"] = np.stack([np.concatenate([parts[e, "gate_proj"], parts[e, "up_proj"]])
-                                                      for e in range(count)])
-            out[prefix + ".down_proj"] = np.stack([parts[e, "down_proj"] for e in range(count)])
-        except ValueError:
-            shapes = sorted({(kind, parts[key].shape) for key in parts for kind in [key[1]]})
-            raise UserError(f"checkpoint: the tensors {prefix}.*.*_proj.weight differ in shape: {shapes}") from None
+        gate, up, down = ({parts[e, kind].shape for e in range(count)}
+                          for kind in ("gate_proj", "up_proj", "down_proj"))
+        if len(gate | up) != 1 or len(down) != 1 or {len(s) for s in gate | down} != {2}:
+            shapes = sorted({(kind, tensor.shape) for (_, kind), tensor in parts.items()})
+            raise UserError(f"checkpoint: the tensors {prefix}.*.*_proj.weight differ in shape: {shapes}")
+        (F, D), = gate
+        out[prefix + ".gate_up_proj"] = FusedExperts(tuple((parts[e, "gate_proj"], parts[e, "up_proj"])
+                                                           for e in range(count)), (count, 2 * F, D))
+        out[prefix + ".down_proj"] = FusedExperts(tuple((parts[e, "down_proj"],) for e in range(count)),
+                                                  (count, *next(iter(down))))
     return out
+
+
+def read_source(source):  # StoredTensor or FusedExperts -> fp32 array
+    if isinstance(source, StoredTensor):
+        return read_tensor(source)
+    fused = np.empty(source.shape, np.float32)
+    for e, parts in enumerate(source.parts):
+        fused[e] = np.concatenate([read_tensor(part) for part in parts])
+    return fused
+
+
+def check_memory(model_dir, cfg, sources):
+    """Before any tensor is read: the fp32 weights and the recurrent state must fit in this machine's memory."""
+    C, W, Hv, Dk, Dv = (cfg.conv_dim, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
+                        cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    state = cfg.layer_types.count("linear_attention") * ((W - 1) * C + Hv * Dk * Dv)      # empty_state's sizes
+    need = 4 * (sum(math.prod(source.shape) for source in sources.values()) + state)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # a platform without these
+        return need
+    if need > memory:
+        raise UserError(f"{model_dir}: the weights and the recurrent state take {need / 2**30:.3g} GiB as float32, "
+                        f"more than this machine's {memory / 2**30:.3g} GiB of memory")
+    return need
+
+
+def read_weights(model_dir, cfg):
+    """The text model's tensors under canonical names, fp32. Strict: a missing, unexpected or misshaped tensor is an
+    error naming it, found from the headers before any tensor data is read. `mtp.*` is kept if present."""
+    sources = canonical_names(read_checkpoint_headers(model_dir))
+    if cfg.tie_word_embeddings:  # tied checkpoints may or may not store lm_head; the embedding is the one used
+        sources.pop("lm_head.weight", None)
+    expected = checkpoint_shapes(cfg, with_mtp=any(name.startswith("mtp.") for name in sources))
+    if cfg.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    for name in sorted(set(expected) - set(sources)):
+        raise UserError(f"{model_dir}: tensor {name} is missing")
+    for name in sorted(set(sources) - set(expected)):
+        raise UserError(f"{model_dir}: unexpected tensor {name}")
+    for name, shape in expected.items():
+        if sources[name].shape != shape:
+            raise UserError(f"{model_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+    need = check_memory(model_dir, cfg, sources)
+    try:
+        tensors = {name: read_source(source) for name, source in sources.items()}
+    except MemoryError:  # e.g. under an address-space limit
+        raise UserError(f"{model_dir}: not enough memory for {need / 2**30:.3g} GiB of float32 weights") from None
+    except OSError as e:  # mapping a file (a limit again, or the file changed since its header was read)
+        raise UserError(f"{model_dir}: cannot map the weights ({e})") from None
+    if cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
 
 
 def nest(flat):
@@ -373,19 +494,8 @@ def nest(flat):
 
 
 def load_weights(model_dir, cfg):
-    """Strict: a missing, unexpected or misshaped tensor is an error naming it. `mtp.*` is kept if present."""
-    tensors = canonical_names(read_checkpoint_files(model_dir))
-    if cfg.tie_word_embeddings:  # tied checkpoints may or may not store lm_head; the embedding is the one used
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
-    expected = checkpoint_shapes(cfg, with_mtp=any(name.startswith("mtp.") for name in tensors))
-    for name in sorted(set(expected) - set(tensors)):
-        raise UserError(f"{model_dir}: tensor {name} is missing")
-    for name in sorted(set(tensors) - set(expected)):
-        raise UserError(f"{model_dir}: unexpected tensor {name}")
-    for name, shape in expected.items():
-        if tensors[name].shape != shape:
-            raise UserError(f"{model_dir}: tensor {name} has shape {tensors[name].shape}, expected {shape}")
-    params = nest(tensors)
+    """read_weights, nested as the model functions take them; params["mtp"] is None without MTP weights."""
+    params = nest(read_weights(model_dir, cfg))
     params["mtp"] = params.get("mtp")
     return params
 

@@ -47,7 +47,7 @@ def model(checkpoint):
 def checkpoint_features(checkpoint):
     """The checkpoint properties (format.FEATURES) that differ from the default model's."""
     folder = checkpoint_dir(checkpoint)
-    cfg, names, raw = model(checkpoint)[0], R.read_checkpoint_files(folder), R.read_json(folder / "config.json")
+    cfg, names, raw = model(checkpoint)[0], R.read_checkpoint_headers(folder), R.read_json(folder / "config.json")
     ratio = cfg.linear_num_value_heads // cfg.linear_num_key_heads
     tags = [("moe", cfg.is_moe), ("untied_embeddings", not cfg.tie_word_embeddings),
             (f"gva_ratio_{ratio}", ratio != 2),
@@ -169,7 +169,7 @@ def gated_delta_rule_cases():
 
 def layer_weights(checkpoint, prefix, part):
     """The checkpoint's tensors of one layer part (linear_attn, self_attn, mlp), canonical `model.` names."""
-    tensors = R.canonical_names(R.read_checkpoint_files(checkpoint_dir(checkpoint)))
+    tensors = R.read_weights(checkpoint_dir(checkpoint), model(checkpoint)[0])
     return {n: f32(a) for n, a in tensors.items() if n.startswith(prefix + part + ".")}
 
 

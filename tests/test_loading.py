@@ -105,7 +105,7 @@ def test_bf16_upcast_is_exact(tmp_path):
     """bf16 -> fp32 without torch must give torch's values bit for bit."""
     x = torch.randn(64, 3).bfloat16()
     save_torch({"x": x, "h": x.half()}, tmp_path / "t.safetensors")
-    loaded = R.read_safetensors(tmp_path / "t.safetensors")
+    loaded = {name: R.read_tensor(tensor) for name, tensor in R.read_header(tmp_path / "t.safetensors").items()}
     np.testing.assert_array_equal(loaded["x"], x.float().numpy())
     np.testing.assert_array_equal(loaded["h"], x.half().float().numpy())
 
@@ -138,6 +138,49 @@ def test_shard_index_mismatches_are_errors(sharded):
         R.load_model(sharded)
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda index: [index], "no 'weight_map' object from tensor names to shard files"),
+    (lambda index: {**index, "weight_map": {**index["weight_map"], "lm_head.weight": 5}}, "no 'weight_map' object"),
+    (lambda index: {**index, "weight_map": {**index["weight_map"], "lm_head.weight": "../model.safetensors"}},
+     r"shard '../model.safetensors' is not a file name in"),
+    (lambda index: {**index, "weight_map": {**index["weight_map"], "lm_head.weight": "a\x00b"}},
+     "cannot read safetensors .embedded null byte"),
+])
+def test_bad_shard_index_is_an_error(sharded, change, message):
+    path = sharded / "model.safetensors.index.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    with pytest.raises(R.UserError, match=message):
+        R.load_model(sharded)
+
+
+def test_weights_that_do_not_fit_in_memory_are_refused_before_reading(monkeypatch):
+    """The check compares the fp32 size with the machine's memory, here made 256 KiB; no tensor is read."""
+    monkeypatch.setattr(R.os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 64}.get)
+    monkeypatch.setattr(R, "read_tensor", None)
+    with pytest.raises(R.UserError, match=r"tiny-dense: the weights and the recurrent state take 0.00\d+ GiB as "
+                                          r"float32, more than this machine's 0.000244 GiB of memory"):
+        R.load_model(ROOT / "weights" / "tiny-dense")
+
+
+def test_corrupt_headers_are_errors(tmp_path):
+    """Each is one line naming the file; the header must tile the data exactly, as the format requires."""
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}
+    cases = [({"b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, 12, "tensor b starts at data byte 4"),
+             ({"b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}}, 16, "tensor b starts at data byte 12"),
+             ({"b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 12]}}, 12, "do not hold a F32 tensor of shape"),
+             ({"b": {"dtype": "F32", "shape": [-1], "data_offsets": [8, 4]}}, 12, "expected a dtype, a shape"),
+             ({"b": {"dtype": ["F32"], "shape": [1], "data_offsets": [8, 12]}}, 12, "expected a dtype, a shape"),
+             ({}, 16, "the tensors cover 12 data bytes, the file holds 16"),
+             ({}, 8, "tensor b starts at data byte 8, expected 8|the tensors cover 12 data bytes, the file holds 8")]
+    for change, data_size, message in cases:
+        text = json.dumps({**header, **change}).encode()
+        path = tmp_path / "t.safetensors"
+        path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(data_size))
+        with pytest.raises(R.UserError, match=f"t.safetensors: cannot read safetensors .*({message})"):
+            R.read_header(path)
+
+
 def test_missing_shard_is_an_error(sharded):
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[-1]
@@ -149,7 +192,7 @@ def test_missing_shard_is_an_error(sharded):
 def test_unsupported_dtype_is_an_error(tmp_path):
     save_file({"x": np.zeros(3, np.int8)}, tmp_path / "t.safetensors")
     with pytest.raises(R.UserError, match="tensor x has dtype I8"):
-        R.read_safetensors(tmp_path / "t.safetensors")
+        R.read_header(tmp_path / "t.safetensors")
 
 
 def test_incomplete_per_expert_tensors_are_an_error(tmp_path):
