@@ -1127,33 +1127,47 @@ class OneLineParser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+SEED_RANGE = (0, 2**32 - 1)          # numpy's Generator takes any non-negative int; jax.random.key without x64, 32 bits
+TEMPERATURE_RANGE = (1e-3, 1e3)      # besides 0 (greedy): logits / T stays finite in float32, and inf (uniform) is out
+MAX_DRAFT_LEN = 32                   # jax_impl compiles a round for a fixed K (unrolling the MTP chain K times)
+
+
 def parse_args(argv):
     ap = OneLineParser(prog="reference.py", description="Qwen3.5 hybrid model in NumPy, with speculative decoding.")
     ap.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     ap.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="generation also stops at the context limit")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help=f"0 = greedy, else in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help=f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
     ap.add_argument("--dump-logits", metavar="PATH.npy", help="write the prompt's logits, float32 (T, V), and exit")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     ap.add_argument("--draft", default="none", help="none, ngram, mtp, skip:N or model:DIR")
-    ap.add_argument("--draft-len", type=int, default=4, help="K, draft tokens per round")
+    ap.add_argument("--draft-len", type=int, default=4, help=f"K, draft tokens per round, in [0, {MAX_DRAFT_LEN}]")
     ap.add_argument("--rollback", choices=ROLLBACK_STRATEGIES, default="replay")
     ap.add_argument("--ngram-table", metavar="PATH.json", help="offline n-gram table for --draft ngram")
     args = ap.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
+    (low_t, high_t), (low_seed, high_seed) = TEMPERATURE_RANGE, SEED_RANGE
     checks = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
-              ("--temperature", args.temperature, args.temperature >= 0, ">= 0"),
+              ("--temperature", args.temperature, args.temperature == 0 or low_t <= args.temperature <= high_t,
+               f"0 (greedy) or in [{low_t}, {high_t}]"),
               ("--top-k", args.top_k, args.top_k >= 0, ">= 0"),
               ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-              ("--draft-len", args.draft_len, args.draft_len >= 0, ">= 0")]
+              ("--seed", args.seed, low_seed <= args.seed <= high_seed, f"in [{low_seed}, {high_seed}]"),
+              ("--draft-len", args.draft_len, 0 <= args.draft_len <= MAX_DRAFT_LEN, f"in [0, {MAX_DRAFT_LEN}]")]
     for flag, value, ok, rule in checks:
         if not ok or value != value:  # value != value catches nan
             raise UserError(f"{flag} {value}: must be {rule}")
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise UserError(f"--prompt is not valid UTF-8 (at character {e.start})") from None
     return args
 
 
@@ -1214,10 +1228,18 @@ def summary(stats):
     return line
 
 
-def read_ngram_table(path):
+def read_ngram_table(path, vocab_size):
+    """build_ngram_table's format: {"n": n, "table": {"t1 t2 ... tn": [next tokens]}}, every id in the vocabulary."""
     table = read_json(path)
-    if not (isinstance(table, dict) and isinstance(table.get("n"), int) and isinstance(table.get("table"), dict)):
-        raise UserError(f"{path}: not an n-gram table (expected {{\"n\": int, \"table\": {{...}}}})")
+    if not (isinstance(table, dict) and is_int_list([table.get("n")]) and table["n"] >= 1 and
+            isinstance(table.get("table"), dict)):
+        raise UserError(f"{path}: not an n-gram table (expected {{\"n\": int >= 1, \"table\": {{...}}}})")
+    for key, phrase in table["table"].items():
+        ids = key.split(" ")
+        if not (len(ids) == table["n"] and all(t.isascii() and t.isdigit() and str(int(t)) == t for t in ids) and
+                is_int_list(phrase) and all(0 <= t < vocab_size for t in [*map(int, ids), *phrase])):
+            raise UserError(f"{path}: entry {key!r:.100}: {phrase!r:.100} is not {table['n']} token ids separated by "
+                            f"spaces -> a list of token ids, all in [0, {vocab_size})")
     return table
 
 
@@ -1235,7 +1257,7 @@ def run(args):
         except OSError as e:
             raise UserError(f"--dump-logits {args.dump_logits}: {e}") from None
         return
-    table = read_ngram_table(args.ngram_table) if args.ngram_table else None
+    table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     rng = np.random.default_rng(args.seed)
