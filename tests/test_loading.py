@@ -172,7 +172,7 @@ def test_corrupt_headers_are_errors(tmp_path):
              ({"b": {"dtype": "F32", "shape": [-1], "data_offsets": [8, 4]}}, 12, "expected a dtype, a shape"),
              ({"b": {"dtype": ["F32"], "shape": [1], "data_offsets": [8, 12]}}, 12, "expected a dtype, a shape"),
              ({}, 16, "the tensors cover 12 data bytes, the file holds 16"),
-             ({}, 8, "tensor b starts at data byte 8, expected 8|the tensors cover 12 data bytes, the file holds 8")]
+             ({}, 8, "the tensors cover 12 data bytes, the file holds 8")]
     for change, data_size, message in cases:
         text = json.dumps({**header, **change}).encode()
         path = tmp_path / "t.safetensors"
