@@ -18,6 +18,8 @@ Speculative sampling: Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023
 
 import argparse
 import json
+import math
+import os
 import re
 import sys
 import time
@@ -26,7 +28,6 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
-import safetensors
 from tokenizers import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "weights" / "default"
@@ -71,10 +72,11 @@ class Config:
         def check(ok, field, value, why):
             if not ok:
                 raise UserError(f"config: {field}={value!r} {why}")
-        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                      "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                      "linear_value_head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta"):
-            check(getattr(self, field) > 0, field, getattr(self, field), "must be > 0")
+        unused = ("intermediate_size",) if self.is_moe else (
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+        for field in CONFIG_LIMITS:
+            if field not in unused:
+                check_limit(field, getattr(self, field))
         check(len(self.layer_types) == self.num_hidden_layers, "layer_types", len(self.layer_types),
               f"entries, expected num_hidden_layers={self.num_hidden_layers}")
         for kind in self.layer_types:
@@ -85,12 +87,12 @@ class Config:
               self.linear_num_key_heads, f"does not divide linear_num_value_heads={self.linear_num_value_heads}")
         check(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, "partial_rotary_factor",
               self.partial_rotary_factor, f"gives rotary dim {self.rotary_dim}, not even and in (0, {self.head_dim}]")
-        check(self.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim", self.linear_conv_kernel_dim, "must be >= 2")
         if self.is_moe:
             check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,
                   f"must be in [1, num_experts={self.num_experts}]")
-        else:
-            check(self.intermediate_size > 0, "intermediate_size", self.intermediate_size, "must be > 0")
+        for token in self.eos_token_id:
+            check(0 <= token < self.vocab_size, "eos_token_id", token,
+                  f"is outside the vocabulary [0, {self.vocab_size})")
 
     @property
     def is_moe(self):
@@ -109,6 +111,25 @@ class Config:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
 
+# Sane bounds, checked before anything is built from a config: every published Qwen3.5 model is well inside them,
+# and positions stay exact in float32 (RoPE angles) and int32 (jax_impl) up to max_position_embeddings.
+CONFIG_LIMITS = {
+    "vocab_size": (1, 2**20), "hidden_size": (1, 2**16), "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "head_dim": (1, 1024),
+    "linear_num_key_heads": (1, 1024), "linear_num_value_heads": (1, 1024), "linear_key_head_dim": (1, 1024),
+    "linear_value_head_dim": (1, 1024), "linear_conv_kernel_dim": (2, 64), "max_position_embeddings": (1, 2**24),
+    "rms_norm_eps": (1e-12, 1.0), "rope_theta": (1.0, 1e12), "partial_rotary_factor": (0.0, 1.0),
+    "intermediate_size": (1, 2**18), "num_experts": (1, 4096), "num_experts_per_tok": (1, 4096),
+    "moe_intermediate_size": (1, 2**18), "shared_expert_intermediate_size": (1, 2**18),
+    "mtp_num_hidden_layers": (0, 1024)}
+
+
+def check_limit(field, value):
+    low, high = CONFIG_LIMITS[field]
+    if not low <= value <= high:  # also false for nan
+        raise UserError(f"config: {field}={value!r} must be in [{low}, {high}]")
+
+
 MODEL_TYPES = {"qwen3_5_text": None, "qwen3_5": "text_config", "qwen3_5_moe_text": None, "qwen3_5_moe": "text_config"}
 
 
@@ -121,10 +142,12 @@ def config_from_dict(raw, generation_config=None):
     """config.json (flat text config, or multimodal with `text_config`) -> Config."""
     if not isinstance(raw, dict):
         raise UserError(f"config: expected a JSON object, got {type(raw).__name__}")
+    if not isinstance(generation_config, (dict, type(None))):
+        raise UserError(f"generation config: expected a JSON object, got {type(generation_config).__name__}")
     model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise UserError(f"config: model_type={model_type!r} is not one of {sorted(MODEL_TYPES)}")
-    text = raw[MODEL_TYPES[model_type]] if MODEL_TYPES[model_type] else raw
+    text = raw.get(MODEL_TYPES[model_type]) if MODEL_TYPES[model_type] else raw
     if not isinstance(text, dict):
         raise UserError(f"config: text_config={text!r} is not an object")
     moe = model_type.startswith("qwen3_5_moe")
@@ -137,26 +160,33 @@ def config_from_dict(raw, generation_config=None):
             raise UserError(f"config: {key}={value!r} has the wrong type, expected {getattr(kind, '__name__', 'number')}")
         return value
 
+    def optional(key, kind):  # a field that may be absent or null
+        return get(key, None, kind) if text.get(key) is not None else None
+
     if get("hidden_act", "silu", str) != "silu":
         raise UserError(f"config: hidden_act={text['hidden_act']!r} is not supported (only 'silu')")
     if get("attention_bias", False, bool):
         raise UserError("config: attention_bias=true is not supported (no released Qwen3.5 model has it)")
     # RoPE: `rope_parameters` (transformers v5) or the legacy top-level rope_theta / rope_scaling fields.
-    rope = dict(text.get("rope_scaling") or {})
+    rope = dict(optional("rope_scaling", dict) or {})
     rope.update({k: text[k] for k in ("rope_theta", "partial_rotary_factor") if k in text})
-    rope.update(text.get("rope_parameters") or {})
+    rope.update(optional("rope_parameters", dict) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise UserError(f"config: rope_type={rope_type!r} is not supported (only 'default')")
     # (Text-only input puts the same position in all three mRoPE sections, which is exactly 1-D RoPE.)
     num_layers, interval = get("num_hidden_layers"), get("full_attention_interval", 4)
+    check_limit("num_hidden_layers", num_layers)  # before a list of that many layer types is built
     if interval < 1:
         raise UserError(f"config: full_attention_interval={interval} must be >= 1")
-    layer_types = text.get("layer_types") or layer_types_from_interval(num_layers, interval)
+    layer_types = optional("layer_types", list) or layer_types_from_interval(num_layers, interval)
     eos = set()
     for source in (text, raw, generation_config or {}):
         value = source.get("eos_token_id")
-        eos.update(value if isinstance(value, list) else [] if value is None else [value])
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise UserError(f"config: eos_token_id={value!r} must be an integer or a list of integers")
+        eos.update(ids)
     fields = dict(
         model_type="qwen3_5_moe_text" if moe else "qwen3_5_text", vocab_size=get("vocab_size"),
         hidden_size=get("hidden_size"), num_hidden_layers=num_layers, layer_types=tuple(layer_types),
@@ -167,7 +197,7 @@ def config_from_dict(raw, generation_config=None):
         rms_norm_eps=get("rms_norm_eps", 1e-6, (int, float)), max_position_embeddings=get("max_position_embeddings"),
         rope_theta=get("rope_theta", 10000.0, (int, float), rope),
         partial_rotary_factor=get("partial_rotary_factor", 0.25, (int, float), rope),  # transformers' Qwen3.5 default
-        tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+        tie_word_embeddings=get("tie_word_embeddings", get("tie_word_embeddings", False, bool), bool, raw),
         eos_token_id=tuple(sorted(eos)), mtp_num_hidden_layers=get("mtp_num_hidden_layers", 0))
     if moe:
         fields.update(num_experts=get("num_experts"), num_experts_per_tok=get("num_experts_per_tok"),
@@ -178,10 +208,18 @@ def config_from_dict(raw, generation_config=None):
     return Config(**fields)
 
 
+MAX_JSON_BYTES = 2**26  # config, generation config, shard index, n-gram table
+
+
 def read_json(path):
+    """A JSON file of at most MAX_JSON_BYTES (checked before reading it)."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_JSON_BYTES:
+                raise UserError(f"{path}: {size} bytes, more than the {MAX_JSON_BYTES} a JSON file may have")
+            return json.loads(f.read())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an integer too long
         raise UserError(f"{path}: cannot read JSON ({e})") from None
 
 
@@ -238,37 +276,95 @@ def checkpoint_shapes(cfg, with_mtp):
     return shapes
 
 
-SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+# The dtypes a checkpoint may store, little-endian as safetensors writes them; bf16 is read as its 16 bits.
+SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8")}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
-def read_safetensors(path):
-    """One .safetensors file -> {name: fp32 array}. bf16 is the top half of an fp32, so it upcasts exactly."""
+class StoredTensor(NamedTuple):
+    """Where one tensor lies in a .safetensors file. Its bytes are read only after the whole checkpoint's names,
+    dtypes, shapes and byte ranges are checked."""
+    path: Path
+    dtype: str           # a SAFETENSORS_DTYPES key
+    shape: tuple
+    offset: int          # of its first byte in the file
+
+
+def read_header(path):
+    """A .safetensors file's header -> {name: StoredTensor}, checked against the format and the file's size (the
+    tensors' byte ranges must tile the data section exactly, as the format requires). Reads no tensor data."""
+    def error(why):
+        return UserError(f"{path}: cannot read safetensors ({why})")
     try:
-        entries = safetensors.deserialize(Path(path).read_bytes())
-    except (OSError, safetensors.SafetensorError) as e:
-        raise UserError(f"{path}: cannot read safetensors ({e})") from None
-    tensors = {}
-    for name, entry in entries:
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise UserError(f"{path}: tensor {name} has dtype {entry['dtype']}, supported: {sorted(SAFETENSORS_DTYPES)}")
-        raw = np.frombuffer(entry["data"], dtype=SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-        if entry["dtype"] == "BF16":
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        tensors[name] = raw.astype(np.float32)
+        with open(path, "rb") as f:
+            size, length = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
+            if size < 8 or length > min(size - 8, MAX_HEADER_BYTES):
+                raise error(f"header length {length}: more than the {size} - 8 bytes of the file or "
+                            f"the format's limit of {MAX_HEADER_BYTES}")
+            text = f.read(length)
+    except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
+        raise error(e) from None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise error(f"the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise error("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_start, tensors, spans = 8 + length, {}, []
+    for name, entry in header.items():
+        fields = entry if isinstance(entry, dict) else {}
+        dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
+        if not (isinstance(dtype, str) and is_int_list(shape) and min(shape, default=0) >= 0 and
+                is_int_list(offsets) and len(offsets) == 2):
+            raise error(f"tensor {name}: expected a dtype, a shape and two data_offsets, got {entry!r:.200}")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise UserError(f"{path}: tensor {name} has dtype {dtype}, supported: {sorted(SAFETENSORS_DTYPES)}")
+        begin, end = offsets
+        if end - begin != math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize:
+            raise error(f"tensor {name}: data_offsets {offsets} do not hold a {dtype} tensor of shape {shape}")
+        tensors[name] = StoredTensor(Path(path), dtype, tuple(shape), data_start + begin)
+        spans.append((begin, end, name))
+    covered = 0
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            raise error(f"tensor {name} starts at data byte {begin}, expected {covered} (no gaps, no overlaps)")
+        covered = end
+    if covered != size - data_start:
+        raise error(f"the tensors cover {covered} data bytes, the file holds {size - data_start}")
     return tensors
 
 
-def read_checkpoint_files(model_dir):
-    """model.safetensors, or the shards listed in model.safetensors.index.json -> {name: fp32 array}."""
+def is_int_list(value):
+    return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def read_tensor(tensor):
+    """Map one checked StoredTensor and copy it out as fp32. bf16 is the top half of an fp32, so it upcasts exactly."""
+    if not math.prod(tensor.shape):
+        return np.zeros(tensor.shape, np.float32)
+    stored = np.asarray(np.memmap(tensor.path, SAFETENSORS_DTYPES[tensor.dtype], "r", tensor.offset, tensor.shape))
+    if tensor.dtype != "BF16":
+        return stored.astype(np.float32)
+    bits = stored.astype(np.uint32)
+    bits <<= 16
+    return bits.view(np.float32)
+
+
+def read_checkpoint_headers(model_dir):
+    """model.safetensors, or the shards listed in model.safetensors.index.json -> {name: StoredTensor}."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise UserError(f"{index}: no 'weight_map' object")
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(shard, str) for shard in weight_map.values())):
+            raise UserError(f"{index}: no 'weight_map' object from tensor names to shard files")
         tensors = {}
         for shard in sorted(set(weight_map.values())):
-            shard_tensors = read_safetensors(model_dir / shard)
+            if Path(shard).name != shard:
+                raise UserError(f"{index}: shard {shard!r} is not a file name in {model_dir}")
+            shard_tensors = read_header(model_dir / shard)
             for name in shard_tensors:
                 if weight_map.get(name) != shard:
                     raise UserError(f"{model_dir / shard}: tensor {name} is not listed for this shard in {index.name}")
@@ -278,40 +374,103 @@ def read_checkpoint_files(model_dir):
             raise UserError(f"{index}: tensor {listed_but_absent[0]} is listed but not in {weight_map[listed_but_absent[0]]}")
         return tensors
     if (model_dir / "model.safetensors").exists():
-        return read_safetensors(model_dir / "model.safetensors")
+        return read_header(model_dir / "model.safetensors")
     raise UserError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.([0-9]+)\.(gate_proj|up_proj|down_proj)\.weight\Z")
+
+
+class FusedExperts(NamedTuple):
+    """A fused MoE tensor stored per expert: expert e's slice is parts[e] (StoredTensors) concatenated on axis 0."""
+    parts: tuple
+    shape: tuple
 
 
 def canonical_names(tensors):
-    """Map the published layouts onto one: `model.language_model.` -> `model.`, drop the vision tower, and fuse
-    per-expert MoE tensors into experts.gate_up_proj (E, 2F, D) (gate rows first) and experts.down_proj (E, D, F)."""
+    """{name: StoredTensor} in one of the published layouts -> {canonical name: StoredTensor or FusedExperts}:
+    `model.language_model.` -> `model.`, the vision tower dropped, and per-expert MoE tensors fused into
+    experts.gate_up_proj (E, 2F, D) (gate rows first) and experts.down_proj (E, D, F)."""
     out, experts = {}, {}
-    for name, array in tensors.items():
+    for name, tensor in tensors.items():
         if name.startswith(("model.visual.", "visual.")):
             continue
         name = "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
         match = EXPERT_TENSOR.match(name)
         if match:
-            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = array
+            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
         else:
-            out[name] = array
+            out[name] = tensor
     for prefix, parts in experts.items():
         count = 1 + max(e for e, _ in parts)
         for e in range(count):
             for kind in ("gate_proj", "up_proj", "down_proj"):
                 if (e, kind) not in parts:
                     raise UserError(f"checkpoint: tensor {prefix}.{e}.{kind}.weight is missing")
-        try:
-            out[prefix + ".gate_up_proj"] = np.stack([np.concatenate([parts[e, "gate_proj"], parts[e, "up_proj"]])
-                                                      for e in range(count)])
-            out[prefix + ".down_proj"] = np.stack([parts[e, "down_proj"] for e in range(count)])
-        except ValueError:
-            shapes = sorted({(kind, parts[key].shape) for key in parts for kind in [key[1]]})
-            raise UserError(f"checkpoint: the tensors {prefix}.*.*_proj.weight differ in shape: {shapes}") from None
+        gate, up, down = ({parts[e, kind].shape for e in range(count)}
+                          for kind in ("gate_proj", "up_proj", "down_proj"))
+        if len(gate | up) != 1 or len(down) != 1 or {len(s) for s in gate | down} != {2}:
+            shapes = sorted({(kind, tensor.shape) for (_, kind), tensor in parts.items()})
+            raise UserError(f"checkpoint: the tensors {prefix}.*.*_proj.weight differ in shape: {shapes}")
+        (F, D), = gate
+        out[prefix + ".gate_up_proj"] = FusedExperts(tuple((parts[e, "gate_proj"], parts[e, "up_proj"])
+                                                           for e in range(count)), (count, 2 * F, D))
+        out[prefix + ".down_proj"] = FusedExperts(tuple((parts[e, "down_proj"],) for e in range(count)),
+                                                  (count, *next(iter(down))))
     return out
+
+
+def read_source(source):  # StoredTensor or FusedExperts -> fp32 array
+    if isinstance(source, StoredTensor):
+        return read_tensor(source)
+    fused = np.empty(source.shape, np.float32)
+    for e, parts in enumerate(source.parts):
+        fused[e] = np.concatenate([read_tensor(part) for part in parts])
+    return fused
+
+
+def check_memory(model_dir, cfg, sources):
+    """Before any tensor is read: the fp32 weights and the recurrent state must fit in this machine's memory."""
+    C, W, Hv, Dk, Dv = (cfg.conv_dim, cfg.linear_conv_kernel_dim, cfg.linear_num_value_heads,
+                        cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    state = cfg.layer_types.count("linear_attention") * ((W - 1) * C + Hv * Dk * Dv)      # empty_state's sizes
+    need = 4 * (sum(math.prod(source.shape) for source in sources.values()) + state)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # a platform without these
+        return need
+    if need > memory:
+        raise UserError(f"{model_dir}: the weights and the recurrent state take {need / 2**30:.3g} GiB as float32, "
+                        f"more than this machine's {memory / 2**30:.3g} GiB of memory")
+    return need
+
+
+def read_weights(model_dir, cfg):
+    """The text model's tensors under canonical names, fp32. Strict: a missing, unexpected or misshaped tensor is an
+    error naming it, found from the headers before any tensor data is read. `mtp.*` is kept if present."""
+    sources = canonical_names(read_checkpoint_headers(model_dir))
+    if cfg.tie_word_embeddings:  # tied checkpoints may or may not store lm_head; the embedding is the one used
+        sources.pop("lm_head.weight", None)
+    expected = checkpoint_shapes(cfg, with_mtp=any(name.startswith("mtp.") for name in sources))
+    if cfg.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    for name in sorted(set(expected) - set(sources)):
+        raise UserError(f"{model_dir}: tensor {name} is missing")
+    for name in sorted(set(sources) - set(expected)):
+        raise UserError(f"{model_dir}: unexpected tensor {name}")
+    for name, shape in expected.items():
+        if sources[name].shape != shape:
+            raise UserError(f"{model_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+    need = check_memory(model_dir, cfg, sources)
+    try:
+        tensors = {name: read_source(source) for name, source in sources.items()}
+    except MemoryError:  # e.g. under an address-space limit
+        raise UserError(f"{model_dir}: not enough memory for {need / 2**30:.3g} GiB of float32 weights") from None
+    except OSError as e:  # mapping a file (a limit again, or the file changed since its header was read)
+        raise UserError(f"{model_dir}: cannot map the weights ({e})") from None
+    if cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
 
 
 def nest(flat):
@@ -335,19 +494,8 @@ def nest(flat):
 
 
 def load_weights(model_dir, cfg):
-    """Strict: a missing, unexpected or misshaped tensor is an error naming it. `mtp.*` is kept if present."""
-    tensors = canonical_names(read_checkpoint_files(model_dir))
-    if cfg.tie_word_embeddings:  # tied checkpoints may or may not store lm_head; the embedding is the one used
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
-    expected = checkpoint_shapes(cfg, with_mtp=any(name.startswith("mtp.") for name in tensors))
-    for name in sorted(set(expected) - set(tensors)):
-        raise UserError(f"{model_dir}: tensor {name} is missing")
-    for name in sorted(set(tensors) - set(expected)):
-        raise UserError(f"{model_dir}: unexpected tensor {name}")
-    for name, shape in expected.items():
-        if tensors[name].shape != shape:
-            raise UserError(f"{model_dir}: tensor {name} has shape {tensors[name].shape}, expected {shape}")
-    params = nest(tensors)
+    """read_weights, nested as the model functions take them; params["mtp"] is None without MTP weights."""
+    params = nest(read_weights(model_dir, cfg))
     params["mtp"] = params.get("mtp")
     return params
 
@@ -1088,33 +1236,47 @@ class OneLineParser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+SEED_RANGE = (0, 2**32 - 1)          # numpy's Generator takes any non-negative int; jax.random.key without x64, 32 bits
+TEMPERATURE_RANGE = (1e-3, 1e3)      # besides 0 (greedy): logits / T stays finite in float32, and inf (uniform) is out
+MAX_DRAFT_LEN = 32                   # jax_impl compiles a round for a fixed K (unrolling the MTP chain K times)
+
+
 def parse_args(argv):
     ap = OneLineParser(prog="reference.py", description="Qwen3.5 hybrid model in NumPy, with speculative decoding.")
     ap.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     ap.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="generation also stops at the context limit")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help=f"0 = greedy, else in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help=f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
     ap.add_argument("--dump-logits", metavar="PATH.npy", help="write the prompt's logits, float32 (T, V), and exit")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     ap.add_argument("--draft", default="none", help="none, ngram, mtp, skip:N or model:DIR")
-    ap.add_argument("--draft-len", type=int, default=4, help="K, draft tokens per round")
+    ap.add_argument("--draft-len", type=int, default=4, help=f"K, draft tokens per round, in [0, {MAX_DRAFT_LEN}]")
     ap.add_argument("--rollback", choices=ROLLBACK_STRATEGIES, default="replay")
     ap.add_argument("--ngram-table", metavar="PATH.json", help="offline n-gram table for --draft ngram")
     args = ap.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
+    (low_t, high_t), (low_seed, high_seed) = TEMPERATURE_RANGE, SEED_RANGE
     checks = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
-              ("--temperature", args.temperature, args.temperature >= 0, ">= 0"),
+              ("--temperature", args.temperature, args.temperature == 0 or low_t <= args.temperature <= high_t,
+               f"0 (greedy) or in [{low_t}, {high_t}]"),
               ("--top-k", args.top_k, args.top_k >= 0, ">= 0"),
               ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-              ("--draft-len", args.draft_len, args.draft_len >= 0, ">= 0")]
+              ("--seed", args.seed, low_seed <= args.seed <= high_seed, f"in [{low_seed}, {high_seed}]"),
+              ("--draft-len", args.draft_len, 0 <= args.draft_len <= MAX_DRAFT_LEN, f"in [0, {MAX_DRAFT_LEN}]")]
     for flag, value, ok, rule in checks:
         if not ok or value != value:  # value != value catches nan
             raise UserError(f"{flag} {value}: must be {rule}")
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise UserError(f"--prompt is not valid UTF-8 (at character {e.start})") from None
     return args
 
 
@@ -1224,10 +1386,18 @@ def summary(stats):
     return line
 
 
-def read_ngram_table(path):
+def read_ngram_table(path, vocab_size):
+    """build_ngram_table's format: {"n": n, "table": {"t1 t2 ... tn": [next tokens]}}, every id in the vocabulary."""
     table = read_json(path)
-    if not (isinstance(table, dict) and isinstance(table.get("n"), int) and isinstance(table.get("table"), dict)):
-        raise UserError(f"{path}: not an n-gram table (expected {{\"n\": int, \"table\": {{...}}}})")
+    if not (isinstance(table, dict) and is_int_list([table.get("n")]) and table["n"] >= 1 and
+            isinstance(table.get("table"), dict)):
+        raise UserError(f"{path}: not an n-gram table (expected {{\"n\": int >= 1, \"table\": {{...}}}})")
+    for key, phrase in table["table"].items():
+        ids = key.split(" ")
+        if not (len(ids) == table["n"] and all(t.isascii() and t.isdigit() and str(int(t)) == t for t in ids) and
+                is_int_list(phrase) and all(0 <= t < vocab_size for t in [*map(int, ids), *phrase])):
+            raise UserError(f"{path}: entry {key!r:.100}: {phrase!r:.100} is not {table['n']} token ids separated by "
+                            f"spaces -> a list of token ids, all in [0, {vocab_size})")
     return table
 
 
@@ -1245,7 +1415,7 @@ def run(args):
         except OSError as e:
             raise UserError(f"--dump-logits {args.dump_logits}: {e}") from None
         return
-    table = read_ngram_table(args.ngram_table) if args.ngram_table else None
+    table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     rng = np.random.default_rng(args.seed)

@@ -114,7 +114,7 @@ def gated_delta_rule_cases():
 
 def layer_weights(checkpoint, prefix, part):
     """The checkpoint's tensors of one layer part (linear_attn, self_attn, mlp), canonical `model.` names."""
-    tensors = R.canonical_names(R.read_checkpoint_files(checkpoint_dir(checkpoint)))
+    tensors = R.read_weights(checkpoint_dir(checkpoint), model(checkpoint)[0])
     return {n: f32(a) for n, a in tensors.items() if n.startswith(prefix + part + ".")}
 
 

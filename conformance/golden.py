@@ -41,7 +41,7 @@ def model(checkpoint):
 def checkpoint_features(checkpoint):
     """The checkpoint properties (format.FEATURES) that differ from the default model's."""
     folder = checkpoint_dir(checkpoint)
-    cfg, names, raw = model(checkpoint)[0], R.read_checkpoint_files(folder), R.read_json(folder / "config.json")
+    cfg, names, raw = model(checkpoint)[0], R.read_checkpoint_headers(folder), R.read_json(folder / "config.json")
     ratio = cfg.linear_num_value_heads // cfg.linear_num_key_heads
     tags = [("moe", cfg.is_moe), ("untied_embeddings", not cfg.tie_word_embeddings),
             (f"gva_ratio_{ratio}", ratio != 2),

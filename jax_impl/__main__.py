@@ -72,7 +72,7 @@ def run(args):
         except OSError as e:
             raise reference.UserError(f"--dump-logits {args['dump_logits']}: {e}") from None
         return
-    table = reference.read_ngram_table(args["ngram_table"]) if args["ngram_table"] else None
+    table = reference.read_ngram_table(args["ngram_table"], cfg.vocab_size) if args["ngram_table"] else None
     sampling = reference.Sampling(args["temperature"], args["top_k"], args["top_p"])
     tokens, stats = generate(params, cfg, prompt, args["max_new_tokens"], sampling, args["seed"], args["draft"],
                              args["draft_len"], args["rollback"], mesh, table)

@@ -118,11 +118,11 @@ def prompt_lookup(buf, length, K, max_ngram=3):  # (L,), context length -> draft
 
 
 def table_arrays(table, K):
-    """reference.build_ngram_table's {"n", "table"} -> (keys (M, n), phrases (M, >= K), lengths (M,)), or None."""
-    items = [([int(t) for t in key.split()], phrase) for key, phrase in table["table"].items()] if table else []
+    """reference.build_ngram_table's {"n", "table"} -> (keys (M, n), phrases cut to K (M, K), lengths (M,)), or None."""
+    items = [([int(t) for t in key.split()], phrase[:K]) for key, phrase in table["table"].items()] if table else []
     if not items:
         return None
-    phrases = np.zeros((len(items), max([K] + [len(p) for _, p in items])), np.int32)
+    phrases = np.zeros((len(items), K), np.int32)
     for row, (_, phrase) in enumerate(items):
         phrases[row, :len(phrase)] = phrase
     keys = np.array([key for key, _ in items], np.int32).reshape(len(items), table["n"])
@@ -297,6 +297,12 @@ def buffer_sizes(prompt_len, limit, K):
     return P, round_up(P + limit + 2 * (K + 1), 64)
 
 
+def round_draft_len(draft, draft_len, limit):
+    """The static K of a round: draft_len, but no more than the tokens left after the prefill's (the reference
+    limits each round's drafts the same way), so a long draft_len and few new tokens compile a small round."""
+    return min(draft_len, max(limit - 1, 0)) if draft != "none" else 0
+
+
 _compiled = {}
 
 
@@ -328,8 +334,12 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer
     if rollback not in reference.ROLLBACK_STRATEGIES:
         raise reference.UserError(f"--rollback {rollback}: expected one of {', '.join(reference.ROLLBACK_STRATEGIES)}")
+    for flag, value, (low, high) in (("--seed", seed, reference.SEED_RANGE),
+                                     ("--draft-len", draft_len, (0, reference.MAX_DRAFT_LEN))):
+        if not low <= value <= high:
+            raise reference.UserError(f"{flag} {value}: must be in [{low}, {high}]")
     limit = reference.token_limit(cfg, list(prompt), max_new_tokens)
-    K = draft_len if draft != "none" else 0
+    K = round_draft_len(draft, draft_len, limit)
     P, capacity = buffer_sizes(len(prompt), limit, K)
     stats = {"prompt_tokens": len(prompt), "target_calls": 0}
     seconds = dict.fromkeys(("compile", "prefill", "decode"), 0.0)
@@ -338,7 +348,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         host = replicated(mesh)
         prompt = np.asarray(prompt, np.int32)
         padded = put(np.pad(prompt, (0, P - len(prompt))), host)
-        prompt_len, seed = put(np.int32(len(prompt)), host), put(np.int32(seed), host)
+        prompt_len, seed = put(np.int32(len(prompt)), host), put(np.uint32(seed), host)
         table = table_arrays(ngram_table, K) if draft == "ngram" else None
         table = None if table is None else tuple(put(x, host) for x in table)
         statics = dict(sampling=sampling, draft=draft, K=K, rollback=rollback, mesh=mesh)
@@ -364,6 +374,8 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         buf, ntok, device_stats = run(limit)
         tokens = [int(t) for t in fetch(buf)[len(prompt):int(fetch(ntok))]]
         device_stats = {name: fetch(value).tolist() for name, value in device_stats._asdict().items()}
+        for name in ("proposed_by_position", "accepted_by_position"):  # the reference's length (K past the end: 0)
+            device_stats[name] += [0] * (draft_len - K)
         stats.update(device_stats if draft != "none" else {"target_calls": device_stats["target_calls"]})
         if draft != "none":
             stats["rollback"] = rollback

@@ -100,6 +100,12 @@ def broken_model(tmp_path, breakage):
     return str(model)
 
 
+def ngram_table(tmp_path, table):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    return str(path)
+
+
 ERRORS = [
     (lambda p: ["--model", str(p / "nowhere"), "--prompt", "x"], "nowhere does not exist"),
     (lambda p: ["--model", broken_model(p, "config"), "--prompt", "x"], "config.json: cannot read JSON"),
@@ -109,12 +115,17 @@ ERRORS = [
     (lambda p: ["--model", broken_model(p, "misshaped"), "--prompt", "x"],
      r"tensor model.layers.2.linear_attn.A_log has shape \(3,\), expected \(4,\)"),
     (lambda p: ["--model", broken_model(p, "unexpected"), "--prompt", "x"], "unexpected tensor model.layers.2.linear_attn.extra"),
-    (lambda p: ["--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+    (lambda p: ["--prompt", "x", "--temperature", "-1"],
+     r"--temperature -1.0: must be 0 \(greedy\) or in \[0.001, 1000.0\]"),
+    (lambda p: ["--prompt", "x", "--temperature", "1e-5"], r"--temperature 1e-05: must be 0 \(greedy\) or in"),
+    (lambda p: ["--prompt", "x", "--temperature", "nan"], r"--temperature nan: must be 0 \(greedy\) or in"),
+    (lambda p: ["--prompt", "x", "--seed", str(2**32)], r"--seed 4294967296: must be in \[0, 4294967295\]"),
     (lambda p: ["--prompt", "x", "--top-p", "0"], r"--top-p 0.0: must be in \(0, 1\]"),
     (lambda p: ["--prompt", "x", "--top-p", "1.5"], r"--top-p 1.5: must be in \(0, 1\]"),
     (lambda p: ["--prompt", "x", "--top-k", "-2"], "--top-k -2: must be >= 0"),
     (lambda p: ["--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 0"),
-    (lambda p: ["--prompt", "x", "--draft-len", "-1"], "--draft-len -1: must be >= 0"),
+    (lambda p: ["--prompt", "x", "--draft-len", "-1"], r"--draft-len -1: must be in \[0, 32\]"),
+    (lambda p: ["--prompt", "x", "--draft-len", "33"], r"--draft-len 33: must be in \[0, 32\]"),
     (lambda p: ["--prompt", "x", "--temperature", "warm"], "argument --temperature: invalid float value: 'warm'"),
     (lambda p: ["--prompt", ""], "the prompt is empty"),
     (lambda p: ["--prompt-ids", ""], "the prompt is empty"),
@@ -127,6 +138,14 @@ ERRORS = [
     (lambda p: ["--prompt", "x", "--draft", "mtp", "--model", str(ROOT / "weights" / "tiny-dense")], "no mtp.\\* weights"),
     (lambda p: ["--prompt", "x", "--rollback", "undo"], "argument --rollback: invalid choice: 'undo'"),
     (lambda p: ["--prompt", "x", "--draft", f"model:{p / 'nowhere'}"], "nowhere does not exist"),
+    (lambda p: ["--prompt", "x", "--draft", "ngram", "--ngram-table", ngram_table(p, {"n": 0, "table": {}})],
+     "not an n-gram table"),
+    (lambda p: ["--prompt", "x", "--draft", "ngram", "--ngram-table", ngram_table(p, {"n": 2, "table": {"1 2": 5}})],
+     r"entry '1 2': 5 is not 2 token ids separated by spaces -> a list of token ids, all in \[0, 4096\)"),
+    (lambda p: ["--prompt", "x", "--draft", "ngram", "--ngram-table", ngram_table(p, {"n": 2, "table": {"1 x": [5]}})],
+     "entry '1 x'"),
+    (lambda p: ["--prompt", "x", "--draft", "ngram", "--ngram-table",
+                ngram_table(p, {"n": 2, "table": {"1 2": [4096]}})], "entry '1 2': \\[4096\\] is not"),
 ]
 
 
