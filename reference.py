@@ -1,8 +1,9 @@
 """Qwen3.5 hybrid language model (Gated DeltaNet + gated attention) and exact speculative decoding, in NumPy.
 
-This file is the executable spec. It reads top to bottom: config, weights, primitives, the gated delta rule
-(one step, the per-token loop, the chunked form), the layers, the model, sampling, speculative decoding
-(verify, rollback, acceptance, drafters) and a command line. Everything is fp32 and batch-free.
+This file is the executable spec. It reads top to bottom as one: the config, the primitives, the gated delta rule
+(one step, the per-token loop, the chunked form), the layers and the model, sampling, then speculative decoding
+(rollback, verify, acceptance, the round and the serving-trace interpreter, drafters) and generation. Loading and
+validating checkpoints and the command line come last. Everything is fp32 and batch-free.
 
 Axis legend (shape comments use these letters):
     T   tokens in this call              S   cached + new tokens (attention keys)
@@ -12,8 +13,8 @@ Axis legend (shape comments use these letters):
     C   DeltaNet conv channels (2*Hk*Dk + Hv*Dv)                             W   conv width
     E   experts                          F   FFN width                       K   draft length
 
-Model math: ../shared/notes/qwen35-architecture.md. Gated DeltaNet: Yang et al. 2024 (arXiv 2412.06464).
-Speculative sampling: Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318).
+The model, its weights and its pitfalls in prose: docs/architecture.md. Gated DeltaNet: Yang et al. 2024 (arXiv
+2412.06464). Speculative sampling: Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318).
 """
 
 import argparse
@@ -30,15 +31,14 @@ from typing import Callable, NamedTuple
 import numpy as np
 from tokenizers import Tokenizer
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "weights" / "default"
-
 
 class UserError(Exception):
     """Bad input (model files, config, flags, prompt): the command line prints it as one line and exits 2."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Config: field names are the Hugging Face config.json keys.
+# Config: the model's hyperparameters, named as the Hugging Face config.json keys (checked when a config is
+# loaded: "Loading and validation" below).
 
 @dataclass(frozen=True)
 class Config:
@@ -68,32 +68,6 @@ class Config:
     eos_token_id: tuple = ()
     mtp_num_hidden_layers: int = 0       # not read by transformers; vLLM's MTP drafter uses it
 
-    def __post_init__(self):
-        def check(ok, field, value, why):
-            if not ok:
-                raise UserError(f"config: {field}={value!r} {why}")
-        unused = ("intermediate_size",) if self.is_moe else (
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
-        for field in CONFIG_LIMITS:
-            if field not in unused:
-                check_limit(field, getattr(self, field))
-        check(len(self.layer_types) == self.num_hidden_layers, "layer_types", len(self.layer_types),
-              f"entries, expected num_hidden_layers={self.num_hidden_layers}")
-        for kind in self.layer_types:
-            check(kind in ("linear_attention", "full_attention"), "layer_types", kind, "is not a known layer type")
-        check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-              self.num_key_value_heads, f"does not divide num_attention_heads={self.num_attention_heads}")
-        check(self.linear_num_value_heads % self.linear_num_key_heads == 0, "linear_num_key_heads",
-              self.linear_num_key_heads, f"does not divide linear_num_value_heads={self.linear_num_value_heads}")
-        check(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, "partial_rotary_factor",
-              self.partial_rotary_factor, f"gives rotary dim {self.rotary_dim}, not even and in (0, {self.head_dim}]")
-        if self.is_moe:
-            check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,
-                  f"must be in [1, num_experts={self.num_experts}]")
-        for token in self.eos_token_id:
-            check(0 <= token < self.vocab_size, "eos_token_id", token,
-                  f"is outside the vocabulary [0, {self.vocab_size})")
-
     @property
     def is_moe(self):
         return self.model_type.startswith("qwen3_5_moe")
@@ -110,6 +84,688 @@ class Config:
     def value_dim(self):
         return self.linear_num_value_heads * self.linear_value_head_dim
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# Primitives
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def softplus(x):
+    return np.logaddexp(0, x)
+
+
+def softmax(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def rms_norm(x, weight, eps):  # (..., N) -> (..., N)
+    """Zero-centred RMSNorm: the checkpoint stores w, the scale is (1 + w)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1 + weight)
+
+
+def rms_norm_gated(x, z, weight, eps):  # (T, Hv, Dv), (T, Hv, Dv) -> (T, Hv, Dv)
+    """DeltaNet output norm: plain weight (no +1), normalise first, then gate with SiLU(z)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight * silu(z)
+
+
+def l2norm(x, eps=1e-6):  # (..., N) -> (..., N)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rope(x, positions, theta, rotary_dim):  # (T, H, Dh), (T,) -> (T, H, Dh)
+    """NeoX-style partial RoPE: dims [0, R) rotate in pairs (i, i + R/2), dims [R, Dh) pass through. The angles are
+    float32, as transformers computes them; their cos and sin are taken at x's precision."""
+    R = rotary_dim
+    inv_freq = np.float32(theta) ** -(np.arange(0, R, 2, dtype=np.float32) / np.float32(R))   # (R/2,)
+    angles = (positions.astype(np.float32)[:, None] * inv_freq).astype(x.dtype)               # (T, R/2)
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]                             # (T, 1, R)
+    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
+    x_rot, x_pass = x[..., :R], x[..., R:]
+    rotated_half = np.concatenate([-x_rot[..., R // 2:], x_rot[..., :R // 2]], axis=-1)         # (T, H, R)
+    return np.concatenate([x_rot * cos + rotated_half * sin, x_pass], axis=-1)
+
+
+def causal_conv1d(x, window, weight):  # (T, C), (W-1, C), (C, W) -> (T, C), (W-1, C)
+    """Depthwise causal conv: y_t = sum_i w[:, i] * x_{t-W+1+i}; the last tap multiplies the current token.
+    `window` holds the W-1 inputs before x (zeros at the start); the returned window ends at the last input."""
+    W = weight.shape[1]
+    padded = np.concatenate([window, x])                                                       # (W-1+T, C)
+    taps = np.lib.stride_tricks.sliding_window_view(padded, W, axis=0)                         # (T, C, W)
+    return np.einsum("tcw,cw->tc", taps, weight), padded[len(padded) - (W - 1):]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The gated delta rule, per value head h, with S of shape (Dk, Dv):
+#     S_t = alpha_t S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - (alpha_t S_{t-1})^T k_t),   o_t = S_t^T q_t
+# with alpha_t = exp(g_t). The three forms below take fla/transformers argument names (q, k, v, g, beta,
+# initial_state; q and k already L2-normalised, q scaled by Dk^-0.5 inside) and all return (o, final state, delta):
+# delta, the "innovation" each token writes into the state, is what tape-replay rollback records.
+# Value head h reads key head h // (Hv / Hk) (grouped value attention).
+
+def gated_delta_step(S, q, k, v, g, beta):  # (Hv, Dk, Dv), (Hv, Dk), (Hv, Dk), (Hv, Dv), (Hv,), (Hv,)
+    """One token: decay the state, write the correction of what it predicts for k, read with q."""
+    S = np.exp(g)[:, None, None] * S                                   # (Hv, Dk, Dv)  alpha_t S_{t-1}
+    delta = beta[:, None] * (v - np.einsum("hkv,hk->hv", S, k))         # (Hv, Dv)
+    S = S + np.einsum("hk,hv->hkv", k, delta)                          # (Hv, Dk, Dv)
+    o = np.einsum("hkv,hk->hv", S, q)                                  # (Hv, Dv)  read after the update
+    return o, S, delta
+
+
+def gva_heads(x, num_value_heads):  # (T, Hk, Dk) -> (T, Hv, Dk): consecutive value heads share a key head
+    return np.repeat(x, num_value_heads // x.shape[1], axis=1)
+
+
+def gated_delta_recurrent(q, k, v, g, beta, initial_state):
+    """The literal per-token loop. (T, Hk, Dk) x2, (T, Hv, Dv), (T, Hv) x2, (Hv, Dk, Dv) -> (T, Hv, Dv), S, delta."""
+    q, k = gva_heads(q, v.shape[1]) * np.float32(q.shape[-1] ** -0.5), gva_heads(k, v.shape[1])   # q scaled by Dk^-1/2
+    S, outputs, deltas = initial_state, [], []
+    for t in range(len(v)):
+        o, S, delta = gated_delta_step(S, q[t], k[t], v[t], g[t], beta[t])
+        outputs.append(o)
+        deltas.append(delta)
+    return np.stack(outputs), S, np.stack(deltas)
+
+
+def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
+    """The chunked (WY / UT transform) form: the same result with matrix products inside each chunk of <= 64 tokens.
+    Within a chunk, with gamma_i = sum_{s<=i} g_s and Gamma_ij = exp(gamma_i - gamma_j) for i >= j:
+        A     = strictly_lower(diag(beta) K K^T * Gamma)             (C, C)
+        U     = (I + A)^-1 diag(beta) V                              "new values"
+        Wk    = (I + A)^-1 diag(beta) diag(e^gamma) K                decayed keys that read the old state
+        Delta = U - Wk S                                             the deltas of the recurrent form
+        O     = diag(e^gamma) Q S + (Q K^T * Gamma) Delta
+        S'    = e^gamma_last S + (diag(e^(gamma_last - gamma)) K)^T Delta
+    The last chunk is simply shorter (transformers pads it with zeros instead, which changes nothing)."""
+    q, k = gva_heads(q, v.shape[1]) * np.float32(q.shape[-1] ** -0.5), gva_heads(k, v.shape[1])   # q scaled by Dk^-1/2
+    S, outputs, deltas = initial_state, [], []
+    for start in range(0, len(v), chunk_size):
+        Q, Kc, Vc, G, B = [x[start:start + chunk_size].swapaxes(0, 1) for x in (q, k, v, g, beta)]  # (Hv, C, ...)
+        C = G.shape[1]
+        lower = np.tril(np.ones((C, C), dtype=bool))                                              # i >= j
+        gamma = np.cumsum(G, axis=-1)                                                             # (Hv, C)
+        Gamma = np.exp(np.where(lower, gamma[:, :, None] - gamma[:, None, :], -np.inf))          # (Hv, C, C)
+        A = np.tril((B[..., None] * Kc) @ Kc.swapaxes(1, 2) * Gamma, -1)                          # (Hv, C, C)
+        I_plus_A = np.eye(C, dtype=A.dtype) + A
+        U = np.linalg.solve(I_plus_A, B[..., None] * Vc)                                          # (Hv, C, Dv)
+        Wk = np.linalg.solve(I_plus_A, (B * np.exp(gamma))[..., None] * Kc)                       # (Hv, C, Dk)
+        Delta = U - Wk @ S                                                                        # (Hv, C, Dv)
+        O = np.exp(gamma)[..., None] * Q @ S + (Q @ Kc.swapaxes(1, 2) * Gamma) @ Delta             # (Hv, C, Dv)
+        decay_to_end = np.exp(gamma[:, -1:] - gamma)[..., None]                                   # (Hv, C, 1)
+        S = np.exp(gamma[:, -1])[:, None, None] * S + (decay_to_end * Kc).swapaxes(1, 2) @ Delta   # (Hv, Dk, Dv)
+        outputs.append(O.swapaxes(0, 1))
+        deltas.append(Delta.swapaxes(0, 1))
+    return np.concatenate(outputs), S, np.concatenate(deltas)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers. State is an explicit value per layer; a layer returns its new state and never mutates the old one.
+
+class DeltaState(NamedTuple):
+    conv: np.ndarray     # (W-1, C)  the last W-1 pre-conv inputs
+    S: np.ndarray        # (Hv, Dk, Dv)  recurrent state, fp32
+
+
+class AttnState(NamedTuple):
+    k: np.ndarray        # (S, Hkv, Dh)  keys after k_norm and RoPE
+    v: np.ndarray        # (S, Hkv, Dh)
+
+
+class Tape(NamedTuple):
+    """What one DeltaNet layer logs in a multi-token pass, enough to rebuild its state after any prefix."""
+    qkv: np.ndarray      # (T, C)  pre-conv inputs, to rebuild the conv window
+    k: np.ndarray        # (T, Hk, Dk)  normalised keys
+    g: np.ndarray        # (T, Hv)  log decays
+    delta: np.ndarray    # (T, Hv, Dv)
+
+
+class State(NamedTuple):
+    layers: tuple        # one DeltaState or AttnState per layer
+    length: int          # tokens consumed = position of the next token
+
+
+def empty_state(cfg):
+    C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
+    Hv, Dk, Dv, Hkv, Dh = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                           cfg.num_key_value_heads, cfg.head_dim)
+    layers = tuple(DeltaState(np.zeros((W - 1, C), np.float32), np.zeros((Hv, Dk, Dv), np.float32))
+                   if kind == "linear_attention" else
+                   AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
+                   for kind in cfg.layer_types)
+    return State(layers, 0)
+
+
+def gated_deltanet(x, state, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm,
+                   out_proj):  # (T, D) -> (T, D)
+    T = x.shape[0]
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv = x @ in_proj_qkv.T                                                     # (T, C)
+    mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :])               # (T, C), (W-1, C)
+    mixed = silu(mixed)
+    q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
+    k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
+    v = mixed[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)                              # (T, Hv, Dv)
+    beta = sigmoid(x @ in_proj_b.T)                                             # (T, Hv)  write strength
+    g = -np.exp(A_log) * softplus(x @ in_proj_a.T + dt_bias)                   # (T, Hv)  log decay, < 0
+    rule = gated_delta_recurrent if T == 1 else gated_delta_chunked            # decode steps, prefill chunks
+    o, S, delta = rule(q, k, v, g, beta, state.S)                              # (T, Hv, Dv)
+    z = (x @ in_proj_z.T).reshape(T, Hv, Dv)                                   # (T, Hv, Dv)  output gate
+    y = rms_norm_gated(o, z, norm, cfg.rms_norm_eps).reshape(T, Hv * Dv)
+    return y @ out_proj.T, DeltaState(conv, S), Tape(qkv, k, g, delta)
+
+
+def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):  # (T, D) -> (T, D)
+    T, Hq, Hkv, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    query_gate = (x @ q_proj.T).reshape(T, Hq, 2 * Dh)           # per head: [query | gate]
+    q = rms_norm(query_gate[..., :Dh], q_norm, cfg.rms_norm_eps)  # (T, Hq, Dh)
+    gate = query_gate[..., Dh:].reshape(T, Hq * Dh)               # (T, Hq*Dh)
+    k = rms_norm((x @ k_proj.T).reshape(T, Hkv, Dh), k_norm, cfg.rms_norm_eps)  # (T, Hkv, Dh)
+    v = (x @ v_proj.T).reshape(T, Hkv, Dh)                        # (T, Hkv, Dh)
+    q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+    keys, values = np.concatenate([state.k, k]), np.concatenate([state.v, v])   # (S, Hkv, Dh)
+    q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
+    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
+    visible = np.arange(len(keys))[None, :] <= positions[:, None]               # (T, S) causal
+    weights = softmax(np.where(visible, scores, -np.inf))
+    out = np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq * Dh)      # (T, Hq*Dh)
+    return (out * sigmoid(gate)) @ o_proj.T, AttnState(keys, values)
+
+
+def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
+    return (silu(x @ gate_proj.T) * (x @ up_proj.T)) @ down_proj.T
+
+
+def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T, D) -> (T, D)
+    """Softmax router over E experts, top-k renormalised, plus a shared expert behind a sigmoid gate."""
+    probs = softmax(x @ gate.T)                                              # (T, E)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]   # (T, k)
+    top_weights = np.take_along_axis(probs, top, axis=-1)
+    top_weights /= top_weights.sum(axis=-1, keepdims=True)                    # (T, k)
+    out = np.zeros_like(x)
+    F = cfg.moe_intermediate_size
+    for e in np.unique(top):
+        rows, slot = np.nonzero(top == e)
+        gate_up = x[rows] @ experts["gate_up_proj"][e].T                      # (n, 2F)  gate rows first
+        y = (silu(gate_up[:, :F]) * gate_up[:, F:]) @ experts["down_proj"][e].T
+        out[rows] += top_weights[rows, slot, None] * y
+    return out + sigmoid(x @ shared_expert_gate.T) * mlp(x, **shared_expert)
+
+
+def decoder_layer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D), new layer state, Tape or None
+    h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
+    if kind == "linear_attention":
+        y, state, tape = gated_deltanet(h, state, cfg, **layer["linear_attn"])
+    else:
+        (y, state), tape = gated_attention(h, state, positions, cfg, **layer["self_attn"]), None   # KV truncates: no tape
+    x = x + y
+    h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
+    return x + (sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])), state, tape
+
+
+def forward(params, cfg, tokens, state):
+    """(T,) token ids after `state` -> logits (T, V), final-normed hidden (T, D), new State, per-layer Tapes."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    positions = state.length + np.arange(len(tokens))
+    x = params["embed_tokens"][tokens]                                          # (T, D)
+    layer_states, tapes = [], []
+    for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
+        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, cfg)
+        layer_states.append(layer_state)
+        tapes.append(tape)
+    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)                     # (T, D)
+    return hidden @ params["lm_head"].T, hidden, State(tuple(layer_states), state.length + len(tokens)), tapes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling. Randomness is explicit: callers pass uniforms drawn from a seeded np.random.Generator.
+
+class Sampling(NamedTuple):
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+
+
+def sampling_of(settings):  # {"temperature", "top_k", "top_p"}, any of them missing: its default -> Sampling
+    return Sampling(**{field: settings[field] for field in Sampling._fields if field in settings})
+
+
+def probabilities(logits, sampling):  # (..., V) -> (..., V)
+    """The distribution a token is drawn from: temperature, then top-k, then top-p (as transformers orders them).
+    Temperature 0 puts all the mass on the argmax."""
+    if sampling.temperature == 0:
+        return (np.arange(logits.shape[-1]) == logits.argmax(axis=-1)[..., None]).astype(np.float32)
+    p = softmax(logits / np.float32(sampling.temperature))
+    if sampling.top_k:
+        kth_largest = np.sort(p, axis=-1)[..., -min(sampling.top_k, p.shape[-1]), None]
+        p = np.where(p >= kth_largest, p, 0)
+        p /= p.sum(axis=-1, keepdims=True)
+    if sampling.top_p < 1:  # keep the smallest top set whose mass reaches top_p
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        keep = np.empty_like(p, dtype=bool)
+        np.put_along_axis(keep, order, np.cumsum(sorted_p, axis=-1) - sorted_p < sampling.top_p, axis=-1)
+        p = np.where(keep, p, 0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def sample(p, u):  # (V,), uniform in [0, 1) -> token id
+    """Inverse-CDF sampling: the token whose cumulative-probability interval contains u."""
+    cdf = np.cumsum(p)
+    # u * total rounds to the total itself for u just below 1; searchsorted would then point past the last token
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Speculative decoding. A round: the drafter proposes K tokens; one target pass (verify) runs on the last committed
+# token plus the K drafts, giving K+1 next-token distributions; acceptance keeps n-1 drafts plus one token of the
+# target's; the state must then equal the state after the n kept positions. Attention KV truncates. A DeltaNet state
+# has already absorbed all K+1 positions, so it is rebuilt by one of two exact strategies:
+#   per-position: at verify time, keep the state and conv window after every position; commit is an index
+#                 (vLLM, SGLang). Extra memory: K+1 states per layer.
+#   replay:       keep the tape (delta, k, g, qkv) of the verify pass; on a partial accept, start again from the
+#                 pre-verify state and apply only rank-1 updates S <- alpha S + k delta^T for the kept steps
+#                 (dflash-mlx). No q, no outputs, no model forward. Full acceptance needs no replay.
+
+ROLLBACK_STRATEGIES = ("per-position", "replay")
+
+
+def delta_states(S0, tape):  # (Hv, Dk, Dv), Tape of T steps -> (T, Hv, Dk, Dv)
+    """The state after each step, in closed form: S_t = e^gamma_t S_0 + sum_{j<=t} e^(gamma_t - gamma_j) k_j delta_j^T."""
+    T, Hv = tape.g.shape
+    k = np.repeat(tape.k, Hv // tape.k.shape[1], axis=1)                                    # (T, Hv, Dk)
+    gamma = np.cumsum(tape.g, axis=0)                                                       # (T, Hv)
+    lower = np.tril(np.ones((T, T), dtype=bool))[..., None]
+    decay = np.exp(np.where(lower, gamma[:, None] - gamma[None, :], -np.inf))              # (T, T, Hv)
+    return np.exp(gamma)[..., None, None] * S0 + np.einsum("tjh,jhk,jhv->thkv", decay, k, tape.delta)
+
+
+def replay(S0, tape, n):  # (Hv, Dk, Dv), Tape, steps -> (Hv, Dk, Dv)
+    """Rebuild the state after n steps from the tape: decay and rank-1 updates only."""
+    k = np.repeat(tape.k, tape.g.shape[1] // tape.k.shape[1], axis=1)                       # (T, Hv, Dk)
+    S = S0
+    for t in range(n):
+        S = np.exp(tape.g[t])[:, None, None] * S + np.einsum("hk,hv->hkv", k[t], tape.delta[t])
+    return S
+
+
+def conv_window(window, qkv, n):  # (W-1, C), (T, C) -> (W-1, C): the conv window after the first n of T steps
+    return np.concatenate([window, qkv[:n]])[n:]
+
+
+def conv_windows(window, qkv):  # (W-1, C), (T, C) -> (T, W-1, C): the conv window after each step
+    return np.stack([conv_window(window, qkv, n) for n in range(1, len(qkv) + 1)])
+
+
+def truncate(attn, length):
+    return AttnState(attn.k[:length], attn.v[:length])
+
+
+class KeptStates(NamedTuple):
+    """Per-position strategy: one DeltaNet layer's state after each of the T verified positions."""
+    conv: np.ndarray     # (T, W-1, C)
+    S: np.ndarray        # (T, Hv, Dk, Dv)
+
+
+def keep_per_position(before, tapes):
+    """Per-position strategy, at verify time: every DeltaNet layer's KeptStates (None for attention layers)."""
+    return [None if tape is None else KeptStates(conv_windows(layer.conv, tape.qkv), delta_states(layer.S, tape))
+            for layer, tape in zip(before.layers, tapes)]
+
+
+def commit_per_position(before, after, kept, n):
+    """Keep the first n verified positions: an index into the kept states."""
+    layers = tuple(truncate(a, before.length + n) if k is None else DeltaState(k.conv[n - 1], k.S[n - 1])
+                   for a, k in zip(after.layers, kept))
+    return State(layers, before.length + n)
+
+
+def commit_replay(before, after, tapes, n):
+    """Keep the first n verified positions: replay the tape from the pre-verify state (skipped on full accept)."""
+    if n == after.length - before.length:            # everything accepted: the verify pass left the right state
+        return after
+    layers = tuple(truncate(a, before.length + n) if t is None else
+                   DeltaState(conv_window(b.conv, t.qkv, n), replay(b.S, t, n))
+                   for b, a, t in zip(before.layers, after.layers, tapes))
+    return State(layers, before.length + n)
+
+
+class Verified(NamedTuple):
+    """A verify pass waiting for its commit: the states around it and what its rollback strategy kept."""
+    before: State
+    after: State
+    kept: list           # per layer: KeptStates (per-position) or the Tape (replay); None for attention layers
+    rollback: str
+
+
+def verify(params, cfg, state, tokens, rollback):  # (K+1,) -> logits (K+1, V), hidden (K+1, D), Verified
+    """One target pass over [last committed token, K drafts], keeping what `rollback` needs to commit any prefix."""
+    logits, hidden, after, tapes = forward(params, cfg, tokens, state)
+    kept = keep_per_position(state, tapes) if rollback == "per-position" else tapes
+    return logits, hidden, Verified(state, after, kept, rollback)
+
+
+def commit(verified, n):  # Verified, 1 <= n <= K+1 -> State after the first n verified positions
+    strategy = commit_per_position if verified.rollback == "per-position" else commit_replay
+    return strategy(verified.before, verified.after, verified.kept, n)
+
+
+def accept_greedy(draft, logits):  # (K,), (K+1, V) -> (accepted drafts, next token)
+    """Longest prefix of the draft equal to the target's argmax, then the target's own next token."""
+    target = logits.argmax(axis=-1)
+    n = 0
+    while n < len(draft) and draft[n] == target[n]:
+        n += 1
+    return n, int(target[n])
+
+
+def accept_speculative(draft, q, p, u):  # (K,), (K, V), (K+1, V), (K+1,) uniforms -> (accepted drafts, next token)
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1): accept draft x_i with probability
+    min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from normalize(max(0, p_i - q_i)); if all K are
+    accepted, sample a bonus token from p_K. The output is distributed exactly as p. u[i] decides draft i;
+    u[K] draws the final token."""
+    K = len(draft)
+    for i, x in enumerate(draft):
+        if not u[i] < min(1, p[i, x] / q[i, x]):
+            residual = np.maximum(p[i] - q[i], 0)
+            # all zero only if p_i <= q_i everywhere, i.e. p_i == q_i: then x_i is accepted with probability 1 and
+            # only rounding rejects it; p_i is then the right distribution to draw from
+            return i, sample(residual if residual.sum() > 0 else p[i], u[K])
+    return K, sample(p[K], u[K])
+
+
+def accept(draft, q, logits, sampling, u):  # -> (accepted drafts, the target's next token)
+    """Greedy acceptance at temperature 0, speculative sampling otherwise (q and u are then required)."""
+    if sampling.temperature == 0:
+        return accept_greedy(draft, logits)
+    return accept_speculative(draft, q, probabilities(logits, sampling), u)
+
+
+def until_stop(tokens, stop):  # committed tokens end at the first stop (EOS) token among them
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return tokens[:end]
+
+
+# A round, and a serving trace of many, run against a Target: the model being decoded as pure functions over its
+# explicit state. reference_target is this file's; the conformance runner wraps an engine under test in one.
+class Target(NamedTuple):
+    extend: Callable     # (state or None, tokens (T,)) -> logits (T, V), state   (None: a new request's prefill)
+    verify: Callable     # (state, tokens (K+1,)) -> logits (K+1, V), hidden (K+1, D) or None, pending commit
+    commit: Callable     # (pending, n) -> the state after the first n verified positions
+    accept: Callable     # (draft (K,), q (K, V), logits (K+1, V), Sampling, u (K+1,)) -> accepted, next token
+    copy: Callable       # state -> a copy that later calls cannot change (a prefix-cache entry)
+
+
+def reference_target(params, cfg, rollback):
+    def extend(state, tokens):
+        logits, _, state, _ = forward(params, cfg, tokens, empty_state(cfg) if state is None else state)
+        return logits, state
+    return Target(extend, lambda state, tokens: verify(params, cfg, state, tokens, rollback), commit, accept,
+                  lambda state: state)   # states are values here: nothing ever changes one
+
+
+class Round(NamedTuple):
+    logits: np.ndarray   # (K+1, V) of the verify pass
+    hidden: object       # (K+1, D) final-normed hidden states (the MTP head reads them), or None
+    accepted: int        # accepted drafts (None when the trace forced the kept positions)
+    committed: list      # accepted drafts and the target's token, ending at a stop token (None when forced)
+    state: object        # after the kept positions: every committed token consumed but the last
+
+
+def speculative_round(target, state, tokens, q, sampling, u, stop=(), keep=None):
+    """Verify [last committed token, K drafts] in one target pass, accept, and roll the state back to the positions
+    the committed tokens came from. keep: a forced number of positions to keep instead of the acceptance decision."""
+    logits, hidden, pending = target.verify(state, tokens)
+    accepted = committed = None
+    if keep is None:
+        accepted, token = target.accept(list(tokens[1:]), q, logits, sampling, u)
+        committed = until_stop(list(tokens[1:accepted + 1]) + [token], stop)
+        keep = len(committed)
+    return Round(logits, hidden, accepted, committed, target.commit(pending, keep))
+
+
+def run_trace(target, batches):
+    """A serving trace (conformance/INTERPRETING.md, section 4): batches of steps on named requests, run in order.
+    Requests map to states and prefix-cache keys to copies of them. Yields (batch, step, outputs) after each step:
+    prefill -> the last row's logits; verify (and its commit) -> logits, decisions, state; restore -> state."""
+    requests, cache = {}, {}
+    for b, batch in enumerate(batches):
+        for s, step in enumerate(batch):
+            name, op, out = step["request"], step["op"], {}
+            if op == "prefill":               # a new request, or the next chunk of its prompt
+                logits, requests[name] = target.extend(requests.get(name), step["tokens"])
+                out["logits"] = logits[-1:]
+            elif op == "verify":              # zero drafts: a plain decoding row
+                rule = step["commit"]
+                r = speculative_round(target, requests[name], step["tokens"], rule.get("q"), sampling_of(rule),
+                                      rule.get("uniforms"), rule.get("stop", ()), rule.get("keep"))
+                requests[name] = r.state
+                out.update(logits=r.logits, state=r.state)
+                if r.committed is not None:
+                    out.update(accepted=r.accepted, committed=r.committed)
+            elif op == "snapshot":
+                cache[step["key"]] = target.copy(requests[name])
+            elif op == "restore":             # a new request starting from a prefix-cache entry
+                requests[name] = out["state"] = target.copy(cache[step["key"]])
+            elif op == "release":
+                del requests[name]
+            else:
+                raise ValueError(f"trace step {b}.{s}: unknown op {op!r}")
+            yield b, s, out
+
+
+# Drafters. A drafter is a pure function over its own explicit state:
+#   propose(draft_state, context, new_hidden, k, sampling, rng) -> (tokens (k',), q (k', V), draft_state), k' <= k
+# `context` holds every committed token; the target has consumed all but the last. `new_hidden` (n, D) holds the
+# target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them).
+class Drafter(NamedTuple):
+    name: str
+    initial_state: object
+    propose: Callable
+
+
+def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
+    """Drafts must be at most k ids in the vocabulary and, under sampling, come with a q (k', V) of distributions
+    giving each drafted token a probability > 0 (speculative sampling divides by it)."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        draft, q, draft_state = drafter.propose(draft_state, context, new_hidden, k, sampling, rng)
+        draft = [int(t) for t in draft]
+        if len(draft) > k or any(not 0 <= t < cfg.vocab_size for t in draft):
+            raise UserError(f"drafter {drafter.name} proposed {draft} for k={k}: ids must be in [0, {cfg.vocab_size})")
+        if sampling.temperature and (np.shape(q) != (len(draft), cfg.vocab_size) or
+                                     any(q[i, t] <= 0 for i, t in enumerate(draft))):
+            raise UserError(f"drafter {drafter.name}: q must be ({len(draft)}, {cfg.vocab_size}) distributions giving "
+                            f"each proposed token a probability > 0")
+        return draft, q, draft_state
+    return propose
+
+
+def one_hot(tokens, V):  # (k,) -> (k, V)
+    return (np.asarray(tokens)[:, None] == np.arange(V)).astype(np.float32)
+
+
+def prompt_lookup(context, k, max_ngram=3):
+    """Copy from the context: find the longest suffix (<= max_ngram tokens) that occurred before, and propose what
+    followed it: the latest occurrence followed by k tokens, else the occurrence followed by the most."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        suffix, best = context[-n:], []
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                best = max(best, context[start + n:start + n + k], key=len)
+                if len(best) == k:
+                    break
+        if best:
+            return best
+    return []
+
+
+def ngram_drafter(V, table=None):
+    """Copy from the context (prompt lookup); else the offline n-gram table. q is one-hot."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        tokens = prompt_lookup(context, k)
+        if not tokens and table and len(context) >= table["n"]:
+            tokens = table["table"].get(" ".join(map(str, context[-table["n"]:])), [])[:k]
+        return list(tokens), one_hot(tokens, V), draft_state
+    return Drafter("ngram", None, propose)
+
+
+def draw(logits, sampling, rng):  # (V,) -> token, its distribution (V,)
+    p = probabilities(logits, sampling)
+    return sample(p, rng.random()), p
+
+
+def draft_chain(logits, step, k, sampling, rng):  # (V,) -> tokens (k,), q (k, V)
+    """Draw k tokens autoregressively: the first from `logits`, each next from step(token) -> logits (V,)."""
+    tokens, q = [], []
+    for i in range(k):
+        token, p = draw(logits, sampling, rng)
+        tokens.append(token)
+        q.append(p)
+        if i < k - 1:
+            logits = step(token)
+    return tokens, np.stack(q) if q else np.zeros((0, len(logits)), np.float32)
+
+
+def first_layers(params, cfg, n):
+    """The model cut after its first n layers (then final norm and lm_head): a self-speculative drafter."""
+    return {**params, "layers": params["layers"][:n]}, replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n])
+
+
+def model_drafter(params, cfg, name):
+    """A smaller model (or the target's first N layers) drafting autoregressively with its own state. The state after
+    each drafted token is kept, so after a partial accept the drafter resumes from the longest accepted prefix."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        history, checkpoints = draft_state        # checkpoints[n]: state after consuming history[:n]
+        if k == 0:
+            return [], np.zeros((0, cfg.vocab_size), np.float32), draft_state
+        # Resume from the latest checkpoint on the committed context: `same` tokens of the last round's history are
+        # still in it (the accepted drafts); the last context token is never consumed, it feeds the next forward.
+        same = next((i for i, (a, b) in enumerate(zip(history, context)) if a != b), min(len(history), len(context)))
+        resume = max(n for n in checkpoints if n <= min(same, len(context) - 1))
+        logits, _, state, _ = forward(params, cfg, context[resume:], checkpoints[resume])
+        checkpoints = {len(context): state}
+
+        def step(token):
+            nonlocal state
+            logits, _, state, _ = forward(params, cfg, [token], state)
+            checkpoints[max(checkpoints) + 1] = state
+            return logits[-1]
+        tokens, q = draft_chain(logits[-1], step, k, sampling, rng)
+        return tokens, q, (list(context) + tokens[:-1], checkpoints)
+    return Drafter(name, ([], {0: empty_state(cfg)}), propose)
+
+
+def mtp_forward(params, cfg, tokens, hidden, state):  # (T,), (T, D) -> logits (T, V), hidden (T, D), State
+    """Qwen3.5's multi-token-prediction head: the pair (target hidden h_p, token x_{p+1}) at position p predicts
+    x_{p+2}. fc over [norm(embedding); norm(hidden)] (embedding first), one full-attention decoder layer with its own
+    KV cache, mtp.norm, and the target's shared lm_head."""
+    m = params["mtp"]
+    e = rms_norm(params["embed_tokens"][np.asarray(tokens)], m["pre_fc_norm_embedding"], cfg.rms_norm_eps)
+    h = rms_norm(hidden, m["pre_fc_norm_hidden"], cfg.rms_norm_eps)
+    x = np.concatenate([e, h], axis=-1) @ m["fc"].T                                         # (T, D)
+    positions = state.length + np.arange(len(x))
+    x, layer_state, _ = decoder_layer(x, "full_attention", m["layers"][0], state.layers[0], positions, cfg)
+    out = rms_norm(x, m["norm"], cfg.rms_norm_eps)
+    return out @ params["lm_head"].T, out, State((layer_state,), state.length + len(x))
+
+
+def mtp_drafter(params, cfg):
+    """Catch the MTP head up on the newly verified positions, then chain it K times, feeding its own output hidden
+    state and drafted token (its KV for the chained steps is dropped; the state kept covers committed pairs)."""
+    if params["mtp"] is None:
+        raise UserError("the MTP drafter needs mtp.* weights, which the checkpoint does not have")
+    if cfg.mtp_num_hidden_layers > 1:
+        raise UserError(f"the MTP drafter runs one MTP layer; the checkpoint has mtp_num_hidden_layers="
+                        f"{cfg.mtp_num_hidden_layers}")
+
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        start = draft_state.length                # MTP pairs exist for positions [0, start)
+        logits, h, state = mtp_forward(params, cfg, context[start + 1:start + 1 + len(new_hidden)], new_hidden,
+                                       draft_state)
+        committed = state
+
+        def step(token):
+            nonlocal h, state
+            logits, h, state = mtp_forward(params, cfg, [token], h[-1:], state)
+            return logits[-1]
+        tokens, q = draft_chain(logits[-1], step, k, sampling, rng)
+        return tokens, q, committed
+    Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
+    empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
+    return Drafter("mtp", State((empty,), 0), propose)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generation
+
+def check_prompt(cfg, prompt):
+    if not len(prompt):
+        raise UserError("the prompt is empty")
+    if len(prompt) > cfg.max_position_embeddings:
+        raise UserError(f"the prompt has {len(prompt)} tokens, more than max_position_embeddings={cfg.max_position_embeddings}")
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise UserError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def token_limit(cfg, prompt, max_new_tokens):
+    """How many tokens may be generated: max_new_tokens, cut where the sequence fills max_position_embeddings."""
+    check_prompt(cfg, prompt)
+    return min(max_new_tokens, cfg.max_position_embeddings - len(prompt))
+
+
+def generate(params, cfg, prompt, max_new_tokens, sampling, rng, on_tokens=lambda new: None):
+    """Plain decoding: prefill the prompt, then one forward per token. Stops at EOS or the length limit."""
+    limit, tokens, start = token_limit(cfg, prompt, max_new_tokens), [], time.perf_counter()
+    logits, _, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+    prefill_done = time.perf_counter()
+    while len(tokens) < limit:
+        if tokens:
+            logits, _, state, _ = forward(params, cfg, tokens[-1:], state)
+        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
+        on_tokens(tokens[-1:])
+        if tokens[-1] in cfg.eos_token_id:
+            break
+    end = time.perf_counter()
+    calls = max(len(tokens) - 1, 0)
+    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
+                    "tokens_per_call": 1.0 if calls else 0.0,
+                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+
+
+def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, draft_len, rollback="replay",
+                         on_tokens=lambda new: None):
+    """Speculative decoding: the same tokens as `generate` under greedy decoding, the same distribution under
+    sampling. Each round: the drafter proposes, then speculative_round verifies, accepts and rolls back."""
+    limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
+    stats = SpeculationStats(len(prompt), draft_len, rollback)
+    target, propose = stats.observe(reference_target(params, cfg, rollback)), stats.timed("draft", checked(drafter, cfg))
+    if limit > 0:
+        logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg))
+        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
+        on_tokens(tokens[-1:])
+    draft_state = drafter.initial_state
+    while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
+        k = min(draft_len, limit - len(tokens) - 1)        # room for the target's own token after the drafts
+        draft, q, draft_state = propose(draft_state, list(prompt) + tokens, new_hidden, k, sampling, rng)
+        u = rng.random(len(draft) + 1) if sampling.temperature else None
+        r = speculative_round(target, state, tokens[-1:] + draft, q, sampling, u, cfg.eos_token_id)
+        state, new_hidden = r.state, r.hidden[:len(r.committed)]
+        stats.count(len(draft), r.accepted)
+        tokens += r.committed
+        on_tokens(r.committed)
+    return tokens, stats.result(len(tokens))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading and validation: config.json and safetensors as the published checkpoints store them, strictly
+# checked (sizes before anything is allocated), weights upcast to fp32.
 
 # Sane bounds, checked before anything is built from a config: every published Qwen3.5 model is well inside them,
 # and positions stay exact in float32 (RoPE angles) and int32 (jax_impl) up to max_position_embeddings.
@@ -128,6 +784,34 @@ def check_limit(field, value):
     low, high = CONFIG_LIMITS[field]
     if not low <= value <= high:  # also false for nan
         raise UserError(f"config: {field}={value!r} must be in [{low}, {high}]")
+
+
+def check_config(cfg):
+    """What a Config must satisfy beyond its fields' own bounds: consistent head counts, layer types, rotary dims."""
+    def check(ok, field, value, why):
+        if not ok:
+            raise UserError(f"config: {field}={value!r} {why}")
+    unused = ("intermediate_size",) if cfg.is_moe else (
+        "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+    for field in CONFIG_LIMITS:
+        if field not in unused:
+            check_limit(field, getattr(cfg, field))
+    check(len(cfg.layer_types) == cfg.num_hidden_layers, "layer_types", len(cfg.layer_types),
+          f"entries, expected num_hidden_layers={cfg.num_hidden_layers}")
+    for kind in cfg.layer_types:
+        check(kind in ("linear_attention", "full_attention"), "layer_types", kind, "is not a known layer type")
+    check(cfg.num_attention_heads % cfg.num_key_value_heads == 0, "num_key_value_heads",
+          cfg.num_key_value_heads, f"does not divide num_attention_heads={cfg.num_attention_heads}")
+    check(cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0, "linear_num_key_heads",
+          cfg.linear_num_key_heads, f"does not divide linear_num_value_heads={cfg.linear_num_value_heads}")
+    check(cfg.rotary_dim % 2 == 0 and 0 < cfg.rotary_dim <= cfg.head_dim, "partial_rotary_factor",
+          cfg.partial_rotary_factor, f"gives rotary dim {cfg.rotary_dim}, not even and in (0, {cfg.head_dim}]")
+    if cfg.is_moe:
+        check(0 < cfg.num_experts_per_tok <= cfg.num_experts, "num_experts_per_tok", cfg.num_experts_per_tok,
+              f"must be in [1, num_experts={cfg.num_experts}]")
+    for token in cfg.eos_token_id:
+        check(0 <= token < cfg.vocab_size, "eos_token_id", token,
+              f"is outside the vocabulary [0, {cfg.vocab_size})")
 
 
 MODEL_TYPES = {"qwen3_5_text": None, "qwen3_5": "text_config", "qwen3_5_moe_text": None, "qwen3_5_moe": "text_config"}
@@ -205,7 +889,9 @@ def config_from_dict(raw, generation_config=None):
                       shared_expert_intermediate_size=get("shared_expert_intermediate_size"))
     else:
         fields.update(intermediate_size=get("intermediate_size"))
-    return Config(**fields)
+    cfg = Config(**fields)
+    check_config(cfg)
+    return cfg
 
 
 MAX_JSON_BYTES = 2**26  # config, generation config, shard index, n-gram table
@@ -231,9 +917,7 @@ def load_config(model_dir):
     return config_from_dict(read_json(model_dir / "config.json"), read_json(generation) if generation.exists() else None)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Weights: safetensors as the published checkpoints store them, strictly checked, upcast to fp32.
-
+# Weights: the tensors every checkpoint must hold, then reading them.
 def decoder_layer_shapes(prefix, kind, cfg):
     """Tensor name -> shape for one decoder layer, as Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM name them."""
     D, Dh, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -278,6 +962,8 @@ def checkpoint_shapes(cfg, with_mtp):
 
 # The dtypes a checkpoint may store, little-endian as safetensors writes them; bf16 is read as its 16 bits.
 SAFETENSORS_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8")}
+
+
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
@@ -473,7 +1159,7 @@ def read_weights(model_dir, cfg):
     return tensors
 
 
-def nest(flat):
+def nested_params(flat):
     """{"model.layers.0.mlp.up_proj.weight": a, ...} -> {"layers": [{"mlp": {"up_proj": a}}], ...}: the keys stay the
     checkpoint's names (without `model.` and `.weight`), so layers unpack them with ** into pure functions."""
     root = {}
@@ -495,7 +1181,7 @@ def nest(flat):
 
 def load_weights(model_dir, cfg):
     """read_weights, nested as the model functions take them; params["mtp"] is None without MTP weights."""
-    params = nest(read_weights(model_dir, cfg))
+    params = nested_params(read_weights(model_dir, cfg))
     params["mtp"] = params.get("mtp")
     return params
 
@@ -515,722 +1201,12 @@ def cast(params, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Primitives
-
-def silu(x):
-    return x / (1 + np.exp(-x))
-
-
-def sigmoid(x):
-    return 1 / (1 + np.exp(-x))
-
-
-def softplus(x):
-    return np.logaddexp(0, x)
-
-
-def softmax(x, axis=-1):
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
-
-
-def rms_norm(x, weight, eps):  # (..., N) -> (..., N)
-    """Zero-centred RMSNorm: the checkpoint stores w, the scale is (1 + w)."""
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1 + weight)
-
-
-def rms_norm_gated(x, z, weight, eps):  # (T, Hv, Dv), (T, Hv, Dv) -> (T, Hv, Dv)
-    """DeltaNet output norm: plain weight (no +1), normalise first, then gate with SiLU(z)."""
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight * silu(z)
-
-
-def l2norm(x, eps=1e-6):  # (..., N) -> (..., N)
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def rope(x, positions, theta, rotary_dim):  # (T, H, Dh), (T,) -> (T, H, Dh)
-    """NeoX-style partial RoPE: dims [0, R) rotate in pairs (i, i + R/2), dims [R, Dh) pass through. The angles are
-    float32, as transformers computes them; their cos and sin are taken at x's precision."""
-    R = rotary_dim
-    inv_freq = np.float32(theta) ** -(np.arange(0, R, 2, dtype=np.float32) / np.float32(R))   # (R/2,)
-    angles = (positions.astype(np.float32)[:, None] * inv_freq).astype(x.dtype)               # (T, R/2)
-    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]                             # (T, 1, R)
-    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
-    x_rot, x_pass = x[..., :R], x[..., R:]
-    rotated_half = np.concatenate([-x_rot[..., R // 2:], x_rot[..., :R // 2]], axis=-1)         # (T, H, R)
-    return np.concatenate([x_rot * cos + rotated_half * sin, x_pass], axis=-1)
-
-
-def causal_conv1d(x, window, weight):  # (T, C), (W-1, C), (C, W) -> (T, C), (W-1, C)
-    """Depthwise causal conv: y_t = sum_i w[:, i] * x_{t-W+1+i}; the last tap multiplies the current token.
-    `window` holds the W-1 inputs before x (zeros at the start); the returned window ends at the last input."""
-    W = weight.shape[1]
-    padded = np.concatenate([window, x])                                                       # (W-1+T, C)
-    taps = np.lib.stride_tricks.sliding_window_view(padded, W, axis=0)                         # (T, C, W)
-    return np.einsum("tcw,cw->tc", taps, weight), padded[len(padded) - (W - 1):]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The gated delta rule, per value head h, with S of shape (Dk, Dv):
-#     S_t = alpha_t S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - (alpha_t S_{t-1})^T k_t),   o_t = S_t^T q_t
-# with alpha_t = exp(g_t). The three forms below take fla/transformers argument names (q, k, v, g, beta,
-# initial_state; q and k already L2-normalised, q scaled by Dk^-0.5 inside) and all return (o, final state, delta):
-# delta, the "innovation" each token writes into the state, is what tape-replay rollback records.
-# Value head h reads key head h // (Hv / Hk) (grouped value attention).
-
-def gated_delta_step(S, q, k, v, g, beta):  # (Hv, Dk, Dv), (Hv, Dk), (Hv, Dk), (Hv, Dv), (Hv,), (Hv,)
-    """One token: decay the state, write the correction of what it predicts for k, read with q."""
-    S = np.exp(g)[:, None, None] * S                                   # (Hv, Dk, Dv)  alpha_t S_{t-1}
-    delta = beta[:, None] * (v - np.einsum("hkv,hk->hv", S, k))         # (Hv, Dv)
-    S = S + np.einsum("hk,hv->hkv", k, delta)                          # (Hv, Dk, Dv)
-    o = np.einsum("hkv,hk->hv", S, q)                                  # (Hv, Dv)  read after the update
-    return o, S, delta
-
-
-def gva_heads(q, k, num_value_heads):  # (T, Hk, Dk) -> (T, Hv, Dk): consecutive value heads share a key head
-    r = num_value_heads // q.shape[1]
-    return np.repeat(q, r, axis=1) * np.float32(q.shape[-1] ** -0.5), np.repeat(k, r, axis=1)
-
-
-def gated_delta_recurrent(q, k, v, g, beta, initial_state):
-    """The literal per-token loop. (T, Hk, Dk) x2, (T, Hv, Dv), (T, Hv) x2, (Hv, Dk, Dv) -> (T, Hv, Dv), S, delta."""
-    q, k = gva_heads(q, k, v.shape[1])
-    S, outputs, deltas = initial_state, [], []
-    for t in range(len(v)):
-        o, S, delta = gated_delta_step(S, q[t], k[t], v[t], g[t], beta[t])
-        outputs.append(o)
-        deltas.append(delta)
-    return np.stack(outputs), S, np.stack(deltas)
-
-
-def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
-    """The chunked (WY / UT transform) form: the same result with matrix products inside each chunk of <= 64 tokens.
-    Within a chunk, with gamma_i = sum_{s<=i} g_s and Gamma_ij = exp(gamma_i - gamma_j) for i >= j:
-        A     = strictly_lower(diag(beta) K K^T * Gamma)             (C, C)
-        U     = (I + A)^-1 diag(beta) V                              "new values"
-        Wk    = (I + A)^-1 diag(beta) diag(e^gamma) K                decayed keys that read the old state
-        Delta = U - Wk S                                             the deltas of the recurrent form
-        O     = diag(e^gamma) Q S + (Q K^T * Gamma) Delta
-        S'    = e^gamma_last S + (diag(e^(gamma_last - gamma)) K)^T Delta
-    The last chunk is simply shorter (transformers pads it with zeros instead, which changes nothing)."""
-    q, k = gva_heads(q, k, v.shape[1])
-    S, outputs, deltas = initial_state, [], []
-    for start in range(0, len(v), chunk_size):
-        Q, Kc, Vc, G, B = [x[start:start + chunk_size].swapaxes(0, 1) for x in (q, k, v, g, beta)]  # (Hv, C, ...)
-        C = G.shape[1]
-        lower = np.tril(np.ones((C, C), dtype=bool))                                              # i >= j
-        gamma = np.cumsum(G, axis=-1)                                                             # (Hv, C)
-        Gamma = np.exp(np.where(lower, gamma[:, :, None] - gamma[:, None, :], -np.inf))          # (Hv, C, C)
-        A = np.tril((B[..., None] * Kc) @ Kc.swapaxes(1, 2) * Gamma, -1)                          # (Hv, C, C)
-        I_plus_A = np.eye(C, dtype=A.dtype) + A
-        U = np.linalg.solve(I_plus_A, B[..., None] * Vc)                                          # (Hv, C, Dv)
-        Wk = np.linalg.solve(I_plus_A, (B * np.exp(gamma))[..., None] * Kc)                       # (Hv, C, Dk)
-        Delta = U - Wk @ S                                                                        # (Hv, C, Dv)
-        O = np.exp(gamma)[..., None] * Q @ S + (Q @ Kc.swapaxes(1, 2) * Gamma) @ Delta             # (Hv, C, Dv)
-        decay_to_end = np.exp(gamma[:, -1:] - gamma)[..., None]                                   # (Hv, C, 1)
-        S = np.exp(gamma[:, -1])[:, None, None] * S + (decay_to_end * Kc).swapaxes(1, 2) @ Delta   # (Hv, Dk, Dv)
-        outputs.append(O.swapaxes(0, 1))
-        deltas.append(Delta.swapaxes(0, 1))
-    return np.concatenate(outputs), S, np.concatenate(deltas)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Layers. State is an explicit value per layer; a layer returns its new state and never mutates the old one.
-
-class DeltaState(NamedTuple):
-    conv: np.ndarray     # (W-1, C)  the last W-1 pre-conv inputs
-    S: np.ndarray        # (Hv, Dk, Dv)  recurrent state, fp32
-
-
-class AttnState(NamedTuple):
-    k: np.ndarray        # (S, Hkv, Dh)  keys after k_norm and RoPE
-    v: np.ndarray        # (S, Hkv, Dh)
-
-
-class Tape(NamedTuple):
-    """What one DeltaNet layer logs in a multi-token pass, enough to rebuild its state after any prefix."""
-    qkv: np.ndarray      # (T, C)  pre-conv inputs, to rebuild the conv window
-    k: np.ndarray        # (T, Hk, Dk)  normalised keys
-    g: np.ndarray        # (T, Hv)  log decays
-    delta: np.ndarray    # (T, Hv, Dv)
-
-
-class State(NamedTuple):
-    layers: tuple        # one DeltaState or AttnState per layer
-    length: int          # tokens consumed = position of the next token
-
-
-def empty_state(cfg):
-    C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
-    Hv, Dk, Dv, Hkv, Dh = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                           cfg.num_key_value_heads, cfg.head_dim)
-    layers = tuple(DeltaState(np.zeros((W - 1, C), np.float32), np.zeros((Hv, Dk, Dv), np.float32))
-                   if kind == "linear_attention" else
-                   AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
-                   for kind in cfg.layer_types)
-    return State(layers, 0)
-
-
-def gated_deltanet(x, state, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm,
-                   out_proj):  # (T, D) -> (T, D)
-    T = x.shape[0]
-    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv = x @ in_proj_qkv.T                                                     # (T, C)
-    mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :])               # (T, C), (W-1, C)
-    mixed = silu(mixed)
-    q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
-    k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
-    v = mixed[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)                              # (T, Hv, Dv)
-    beta = sigmoid(x @ in_proj_b.T)                                             # (T, Hv)  write strength
-    g = -np.exp(A_log) * softplus(x @ in_proj_a.T + dt_bias)                   # (T, Hv)  log decay, < 0
-    rule = gated_delta_recurrent if T == 1 else gated_delta_chunked            # decode steps, prefill chunks
-    o, S, delta = rule(q, k, v, g, beta, state.S)                              # (T, Hv, Dv)
-    z = (x @ in_proj_z.T).reshape(T, Hv, Dv)                                   # (T, Hv, Dv)  output gate
-    y = rms_norm_gated(o, z, norm, cfg.rms_norm_eps).reshape(T, Hv * Dv)
-    return y @ out_proj.T, DeltaState(conv, S), Tape(qkv, k, g, delta)
-
-
-def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):  # (T, D) -> (T, D)
-    T, Hq, Hkv, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    query_gate = (x @ q_proj.T).reshape(T, Hq, 2 * Dh)           # per head: [query | gate]
-    q = rms_norm(query_gate[..., :Dh], q_norm, cfg.rms_norm_eps)  # (T, Hq, Dh)
-    gate = query_gate[..., Dh:].reshape(T, Hq * Dh)               # (T, Hq*Dh)
-    k = rms_norm((x @ k_proj.T).reshape(T, Hkv, Dh), k_norm, cfg.rms_norm_eps)  # (T, Hkv, Dh)
-    v = (x @ v_proj.T).reshape(T, Hkv, Dh)                        # (T, Hkv, Dh)
-    q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
-    keys, values = np.concatenate([state.k, k]), np.concatenate([state.v, v])   # (S, Hkv, Dh)
-    q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
-    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
-    visible = np.arange(len(keys))[None, :] <= positions[:, None]               # (T, S) causal
-    weights = softmax(np.where(visible, scores, -np.inf))
-    out = np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq * Dh)      # (T, Hq*Dh)
-    return (out * sigmoid(gate)) @ o_proj.T, AttnState(keys, values)
-
-
-def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
-    return (silu(x @ gate_proj.T) * (x @ up_proj.T)) @ down_proj.T
-
-
-def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T, D) -> (T, D)
-    """Softmax router over E experts, top-k renormalised, plus a shared expert behind a sigmoid gate."""
-    probs = softmax(x @ gate.T)                                              # (T, E)
-    top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]   # (T, k)
-    top_weights = np.take_along_axis(probs, top, axis=-1)
-    top_weights /= top_weights.sum(axis=-1, keepdims=True)                    # (T, k)
-    out = np.zeros_like(x)
-    F = cfg.moe_intermediate_size
-    for e in np.unique(top):
-        rows, slot = np.nonzero(top == e)
-        gate_up = x[rows] @ experts["gate_up_proj"][e].T                      # (n, 2F)  gate rows first
-        y = (silu(gate_up[:, :F]) * gate_up[:, F:]) @ experts["down_proj"][e].T
-        out[rows] += top_weights[rows, slot, None] * y
-    return out + sigmoid(x @ shared_expert_gate.T) * mlp(x, **shared_expert)
-
-
-def decoder_layer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D), new layer state, Tape or None
-    h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
-    if kind == "linear_attention":
-        y, state, tape = gated_deltanet(h, state, cfg, **layer["linear_attn"])
-    else:
-        (y, state), tape = gated_attention(h, state, positions, cfg, **layer["self_attn"]), None
-    x = x + y
-    h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
-    return x + (sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])), state, tape
-
-
-def forward(params, cfg, tokens, state):
-    """(T,) token ids after `state` -> logits (T, V), final-normed hidden (T, D), new State, per-layer Tapes."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    positions = state.length + np.arange(len(tokens))
-    x = params["embed_tokens"][tokens]                                          # (T, D)
-    layer_states, tapes = [], []
-    for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
-        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, cfg)
-        layer_states.append(layer_state)
-        tapes.append(tape)
-    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)                     # (T, D)
-    return hidden @ params["lm_head"].T, hidden, State(tuple(layer_states), state.length + len(tokens)), tapes
-
-
-def first_layers(params, cfg, n):
-    """The model cut after its first n layers (then final norm and lm_head): the skip:N self-speculative drafter."""
-    if not 1 <= n <= cfg.num_hidden_layers:
-        raise UserError(f"--draft skip:{n}: N must be in [1, {cfg.num_hidden_layers}] (the target's layer count)")
-    return {**params, "layers": params["layers"][:n]}, replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Sampling. Randomness is explicit: callers pass uniforms drawn from a seeded np.random.Generator.
-
-class Sampling(NamedTuple):
-    temperature: float = 0.0   # 0 = greedy
-    top_k: int = 0             # 0 = off
-    top_p: float = 1.0         # 1 = off
-
-
-def sampling_of(settings):  # {"temperature", "top_k", "top_p"}, any of them missing: its default -> Sampling
-    return Sampling(**{field: settings[field] for field in Sampling._fields if field in settings})
-
-
-def probabilities(logits, sampling):  # (..., V) -> (..., V)
-    """The distribution a token is drawn from: temperature, then top-k, then top-p (as transformers orders them).
-    Temperature 0 puts all the mass on the argmax."""
-    if sampling.temperature == 0:
-        return (np.arange(logits.shape[-1]) == logits.argmax(axis=-1)[..., None]).astype(np.float32)
-    p = softmax(logits / np.float32(sampling.temperature))
-    if sampling.top_k:
-        kth_largest = np.sort(p, axis=-1)[..., -min(sampling.top_k, p.shape[-1]), None]
-        p = np.where(p >= kth_largest, p, 0)
-        p /= p.sum(axis=-1, keepdims=True)
-    if sampling.top_p < 1:  # keep the smallest top set whose mass reaches top_p
-        order = np.argsort(-p, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, axis=-1)
-        keep = np.empty_like(p, dtype=bool)
-        np.put_along_axis(keep, order, np.cumsum(sorted_p, axis=-1) - sorted_p < sampling.top_p, axis=-1)
-        p = np.where(keep, p, 0)
-        p /= p.sum(axis=-1, keepdims=True)
-    return p
-
-
-def sample(p, u):  # (V,), uniform in [0, 1) -> token id
-    """Inverse-CDF sampling: the token whose cumulative-probability interval contains u."""
-    cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Speculative decoding. A round: the drafter proposes K tokens; one target pass (verify) runs on the last committed
-# token plus the K drafts, giving K+1 next-token distributions; acceptance keeps n-1 drafts plus one token of the
-# target's; the state must then equal the state after the n kept positions. Attention KV truncates. A DeltaNet state
-# has already absorbed all K+1 positions, so it is rebuilt by one of two exact strategies:
-#   per-position: at verify time, keep the state and conv window after every position; commit is an index
-#                 (vLLM, SGLang). Extra memory: K+1 states per layer.
-#   replay:       keep the tape (delta, k, g, qkv) of the verify pass; on a partial accept, start again from the
-#                 pre-verify state and apply only rank-1 updates S <- alpha S + k delta^T for the kept steps
-#                 (dflash-mlx). No q, no outputs, no model forward. Full acceptance needs no replay.
-
-ROLLBACK_STRATEGIES = ("per-position", "replay")
-
-
-def delta_states(S0, tape):  # (Hv, Dk, Dv), Tape of T steps -> (T, Hv, Dk, Dv)
-    """The state after each step, in closed form: S_t = e^gamma_t S_0 + sum_{j<=t} e^(gamma_t - gamma_j) k_j delta_j^T."""
-    T, Hv = tape.g.shape
-    k = np.repeat(tape.k, Hv // tape.k.shape[1], axis=1)                                    # (T, Hv, Dk)
-    gamma = np.cumsum(tape.g, axis=0)                                                       # (T, Hv)
-    lower = np.tril(np.ones((T, T), dtype=bool))[..., None]
-    decay = np.exp(np.where(lower, gamma[:, None] - gamma[None, :], -np.inf))              # (T, T, Hv)
-    return np.exp(gamma)[..., None, None] * S0 + np.einsum("tjh,jhk,jhv->thkv", decay, k, tape.delta)
-
-
-def replay(S0, tape, n):  # (Hv, Dk, Dv), Tape, steps -> (Hv, Dk, Dv)
-    """Rebuild the state after n steps from the tape: decay and rank-1 updates only."""
-    k = np.repeat(tape.k, tape.g.shape[1] // tape.k.shape[1], axis=1)                       # (T, Hv, Dk)
-    S = S0
-    for t in range(n):
-        S = np.exp(tape.g[t])[:, None, None] * S + np.einsum("hk,hv->hkv", k[t], tape.delta[t])
-    return S
-
-
-def conv_window(window, qkv, n):  # (W-1, C), (T, C) -> (W-1, C): the conv window after the first n of T steps
-    return np.concatenate([window, qkv[:n]])[n:]
-
-
-def conv_windows(window, qkv):  # (W-1, C), (T, C) -> (T, W-1, C): the conv window after each step
-    return np.stack([conv_window(window, qkv, n) for n in range(1, len(qkv) + 1)])
-
-
-def truncate(attn, length):
-    return AttnState(attn.k[:length], attn.v[:length])
-
-
-class KeptStates(NamedTuple):
-    """Per-position strategy: one DeltaNet layer's state after each of the T verified positions."""
-    conv: np.ndarray     # (T, W-1, C)
-    S: np.ndarray        # (T, Hv, Dk, Dv)
-
-
-def keep_per_position(before, tapes):
-    """Per-position strategy, at verify time: every DeltaNet layer's KeptStates (None for attention layers)."""
-    return [None if tape is None else KeptStates(conv_windows(layer.conv, tape.qkv), delta_states(layer.S, tape))
-            for layer, tape in zip(before.layers, tapes)]
-
-
-def commit_per_position(before, after, kept, n):
-    """Keep the first n verified positions: an index into the kept states."""
-    layers = tuple(truncate(a, before.length + n) if k is None else DeltaState(k.conv[n - 1], k.S[n - 1])
-                   for a, k in zip(after.layers, kept))
-    return State(layers, before.length + n)
-
-
-def commit_replay(before, after, tapes, n):
-    """Keep the first n verified positions: replay the tape from the pre-verify state (skipped on full accept)."""
-    if n == after.length - before.length:            # everything accepted: the verify pass left the right state
-        return after
-    layers = tuple(truncate(a, before.length + n) if t is None else
-                   DeltaState(conv_window(b.conv, t.qkv, n), replay(b.S, t, n))
-                   for b, a, t in zip(before.layers, after.layers, tapes))
-    return State(layers, before.length + n)
-
-
-class Verified(NamedTuple):
-    """A verify pass waiting for its commit: the states around it and what its rollback strategy kept."""
-    before: State
-    after: State
-    kept: list           # per layer: KeptStates (per-position) or the Tape (replay); None for attention layers
-    rollback: str
-
-
-def verify(params, cfg, state, tokens, rollback):  # (K+1,) -> logits (K+1, V), hidden (K+1, D), Verified
-    """One target pass over [last committed token, K drafts], keeping what `rollback` needs to commit any prefix."""
-    logits, hidden, after, tapes = forward(params, cfg, tokens, state)
-    kept = keep_per_position(state, tapes) if rollback == "per-position" else tapes
-    return logits, hidden, Verified(state, after, kept, rollback)
-
-
-def commit(verified, n):  # Verified, 1 <= n <= K+1 -> State after the first n verified positions
-    strategy = commit_per_position if verified.rollback == "per-position" else commit_replay
-    return strategy(verified.before, verified.after, verified.kept, n)
-
-
-def accept_greedy(draft, logits):  # (K,), (K+1, V) -> (accepted drafts, next token)
-    """Longest prefix of the draft equal to the target's argmax, then the target's own next token."""
-    target = logits.argmax(axis=-1)
-    n = 0
-    while n < len(draft) and draft[n] == target[n]:
-        n += 1
-    return n, int(target[n])
-
-
-def accept_speculative(draft, q, p, u):  # (K,), (K, V), (K+1, V), (K+1,) uniforms -> (accepted drafts, next token)
-    """Speculative sampling (Leviathan et al. 2023, Algorithm 1): accept draft x_i with probability
-    min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from normalize(max(0, p_i - q_i)); if all K are
-    accepted, sample a bonus token from p_K. The output is distributed exactly as p. u[i] decides draft i;
-    u[K] draws the final token."""
-    K = len(draft)
-    for i, x in enumerate(draft):
-        if not u[i] < min(1, p[i, x] / q[i, x]):
-            residual = np.maximum(p[i] - q[i], 0)
-            # all zero only if p_i <= q_i everywhere, i.e. p_i == q_i: then x_i is accepted with probability 1 and
-            # only rounding rejects it; p_i is then the right distribution to draw from
-            return i, sample(residual if residual.sum() > 0 else p[i], u[K])
-    return K, sample(p[K], u[K])
-
-
-def accept(draft, q, logits, sampling, u):  # -> (accepted drafts, the target's next token)
-    """Greedy acceptance at temperature 0, speculative sampling otherwise (q and u are then required)."""
-    if sampling.temperature == 0:
-        return accept_greedy(draft, logits)
-    return accept_speculative(draft, q, probabilities(logits, sampling), u)
-
-
-def until_stop(tokens, stop):  # committed tokens end at the first stop (EOS) token among them
-    end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
-    return tokens[:end]
-
-
-# A round, and a serving trace of many, run against a Target: the model being decoded as pure functions over its
-# explicit state. reference_target is this file's; the conformance runner wraps an engine under test in one.
-
-class Target(NamedTuple):
-    extend: Callable     # (state or None, tokens (T,)) -> logits (T, V), state   (None: a new request's prefill)
-    verify: Callable     # (state, tokens (K+1,)) -> logits (K+1, V), hidden (K+1, D) or None, pending commit
-    commit: Callable     # (pending, n) -> the state after the first n verified positions
-    accept: Callable     # (draft (K,), q (K, V), logits (K+1, V), Sampling, u (K+1,)) -> accepted, next token
-    copy: Callable       # state -> a copy that later calls cannot change (a prefix-cache entry)
-
-
-def reference_target(params, cfg, rollback):
-    def extend(state, tokens):
-        logits, _, state, _ = forward(params, cfg, tokens, empty_state(cfg) if state is None else state)
-        return logits, state
-    return Target(extend, lambda state, tokens: verify(params, cfg, state, tokens, rollback), commit, accept,
-                  lambda state: state)   # states are values here: nothing ever changes one
-
-
-class Round(NamedTuple):
-    logits: np.ndarray   # (K+1, V) of the verify pass
-    hidden: object       # (K+1, D) final-normed hidden states (the MTP head reads them), or None
-    accepted: int        # accepted drafts (None when the trace forced the kept positions)
-    committed: list      # accepted drafts and the target's token, ending at a stop token (None when forced)
-    state: object        # after the kept positions: every committed token consumed but the last
-
-
-def speculative_round(target, state, tokens, q, sampling, u, stop=(), keep=None):
-    """Verify [last committed token, K drafts] in one target pass, accept, and roll the state back to the positions
-    the committed tokens came from. keep: a forced number of positions to keep instead of the acceptance decision."""
-    logits, hidden, pending = target.verify(state, tokens)
-    accepted = committed = None
-    if keep is None:
-        accepted, token = target.accept(list(tokens[1:]), q, logits, sampling, u)
-        committed = until_stop(list(tokens[1:accepted + 1]) + [token], stop)
-        keep = len(committed)
-    return Round(logits, hidden, accepted, committed, target.commit(pending, keep))
-
-
-def run_trace(target, batches):
-    """A serving trace (conformance/INTERPRETING.md, section 4): batches of steps on named requests, run in order.
-    Requests map to states and prefix-cache keys to copies of them. Yields (batch, step, outputs) after each step:
-    prefill -> the last row's logits; verify (and its commit) -> logits, decisions, state; restore -> state."""
-    requests, cache = {}, {}
-    for b, batch in enumerate(batches):
-        for s, step in enumerate(batch):
-            name, op, out = step["request"], step["op"], {}
-            if op == "prefill":               # a new request, or the next chunk of its prompt
-                logits, requests[name] = target.extend(requests.get(name), step["tokens"])
-                out["logits"] = logits[-1:]
-            elif op == "verify":              # zero drafts: a plain decoding row
-                rule = step["commit"]
-                r = speculative_round(target, requests[name], step["tokens"], rule.get("q"), sampling_of(rule),
-                                      rule.get("uniforms"), rule.get("stop", ()), rule.get("keep"))
-                requests[name] = r.state
-                out.update(logits=r.logits, state=r.state)
-                if r.committed is not None:
-                    out.update(accepted=r.accepted, committed=r.committed)
-            elif op == "snapshot":
-                cache[step["key"]] = target.copy(requests[name])
-            elif op == "restore":             # a new request starting from a prefix-cache entry
-                requests[name] = out["state"] = target.copy(cache[step["key"]])
-            elif op == "release":
-                del requests[name]
-            else:
-                raise ValueError(f"trace step {b}.{s}: unknown op {op!r}")
-            yield b, s, out
-
-
-
-# Drafters. A drafter is a pure function over its own explicit state:
-#   propose(draft_state, context, new_hidden, k, sampling, rng) -> (tokens (k',), q (k', V), draft_state), k' <= k
-# `context` holds every committed token; the target has consumed all but the last. `new_hidden` (n, D) holds the
-# target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them).
-
-class Drafter(NamedTuple):
-    name: str
-    initial_state: object
-    propose: Callable
-
-
-def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
-    """Drafts must be at most k ids in the vocabulary and, under sampling, come with a q (k', V) of distributions
-    giving each drafted token a probability > 0 (speculative sampling divides by it)."""
-    def propose(draft_state, context, new_hidden, k, sampling, rng):
-        draft, q, draft_state = drafter.propose(draft_state, context, new_hidden, k, sampling, rng)
-        draft = [int(t) for t in draft]
-        if len(draft) > k or any(not 0 <= t < cfg.vocab_size for t in draft):
-            raise UserError(f"drafter {drafter.name} proposed {draft} for k={k}: ids must be in [0, {cfg.vocab_size})")
-        if sampling.temperature and (np.shape(q) != (len(draft), cfg.vocab_size) or
-                                     any(q[i, t] <= 0 for i, t in enumerate(draft))):
-            raise UserError(f"drafter {drafter.name}: q must be ({len(draft)}, {cfg.vocab_size}) distributions giving "
-                            f"each proposed token a probability > 0")
-        return draft, q, draft_state
-    return propose
-
-
-def one_hot(tokens, V):  # (k,) -> (k, V)
-    return (np.asarray(tokens)[:, None] == np.arange(V)).astype(np.float32)
-
-
-def prompt_lookup(context, k, max_ngram=3):
-    """Copy from the context: find the longest suffix (<= max_ngram tokens) that occurred before, and propose what
-    followed it: the latest occurrence followed by k tokens, else the occurrence followed by the most."""
-    for n in range(min(max_ngram, len(context) - 1), 0, -1):
-        suffix, best = context[-n:], []
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start:start + n] == suffix:
-                best = max(best, context[start + n:start + n + k], key=len)
-                if len(best) == k:
-                    break
-        if best:
-            return best
-    return []
-
-
-def build_ngram_table(sequences, n=3, length=4):
-    """Offline "free drafts": for each n-gram in the target's own generations, its most frequent next phrase."""
-    counts = {}
-    for seq in sequences:
-        for i in range(len(seq) - n):
-            phrase = tuple(seq[i + n:i + n + length])
-            counter = counts.setdefault(tuple(seq[i:i + n]), {})
-            counter[phrase] = counter.get(phrase, 0) + 1
-    return {"n": n, "table": {" ".join(map(str, key)): list(max(c, key=lambda p: (c[p], len(p), [-t for t in p])))
-                              for key, c in counts.items()}}
-
-
-def ngram_drafter(V, table=None):
-    """Copy from the context (prompt lookup); else the offline n-gram table. q is one-hot."""
-    def propose(draft_state, context, new_hidden, k, sampling, rng):
-        tokens = prompt_lookup(context, k)
-        if not tokens and table and len(context) >= table["n"]:
-            tokens = table["table"].get(" ".join(map(str, context[-table["n"]:])), [])[:k]
-        return list(tokens), one_hot(tokens, V), draft_state
-    return Drafter("ngram", None, propose)
-
-
-def draw(logits, sampling, rng):  # (V,) -> token, its distribution (V,)
-    p = probabilities(logits, sampling)
-    return sample(p, rng.random()), p
-
-
-def draft_chain(logits, step, k, sampling, rng):  # (V,) -> tokens (k,), q (k, V)
-    """Draw k tokens autoregressively: the first from `logits`, each next from step(token) -> logits (V,)."""
-    tokens, q = [], []
-    for i in range(k):
-        token, p = draw(logits, sampling, rng)
-        tokens.append(token)
-        q.append(p)
-        if i < k - 1:
-            logits = step(token)
-    return tokens, np.stack(q) if q else np.zeros((0, len(logits)), np.float32)
-
-
-def model_drafter(params, cfg, name):
-    """A smaller model (or the target's first N layers) drafting autoregressively with its own state. The state after
-    each drafted token is kept, so after a partial accept the drafter resumes from the longest accepted prefix."""
-    def propose(draft_state, context, new_hidden, k, sampling, rng):
-        history, checkpoints = draft_state        # checkpoints[n]: state after consuming history[:n]
-        if k == 0:
-            return [], np.zeros((0, cfg.vocab_size), np.float32), draft_state
-        # Resume from the latest checkpoint on the committed context: `same` tokens of the last round's history are
-        # still in it (the accepted drafts); the last context token is never consumed, it feeds the next forward.
-        same = next((i for i, (a, b) in enumerate(zip(history, context)) if a != b), min(len(history), len(context)))
-        resume = max(n for n in checkpoints if n <= min(same, len(context) - 1))
-        logits, _, state, _ = forward(params, cfg, context[resume:], checkpoints[resume])
-        checkpoints = {len(context): state}
-
-        def step(token):
-            nonlocal state
-            logits, _, state, _ = forward(params, cfg, [token], state)
-            checkpoints[max(checkpoints) + 1] = state
-            return logits[-1]
-        tokens, q = draft_chain(logits[-1], step, k, sampling, rng)
-        return tokens, q, (list(context) + tokens[:-1], checkpoints)
-    return Drafter(name, ([], {0: empty_state(cfg)}), propose)
-
-
-def mtp_forward(params, cfg, tokens, hidden, state):  # (T,), (T, D) -> logits (T, V), hidden (T, D), State
-    """Qwen3.5's multi-token-prediction head: the pair (target hidden h_p, token x_{p+1}) at position p predicts
-    x_{p+2}. fc over [norm(embedding); norm(hidden)] (embedding first), one full-attention decoder layer with its own
-    KV cache, mtp.norm, and the target's shared lm_head."""
-    m = params["mtp"]
-    e = rms_norm(params["embed_tokens"][np.asarray(tokens)], m["pre_fc_norm_embedding"], cfg.rms_norm_eps)
-    h = rms_norm(hidden, m["pre_fc_norm_hidden"], cfg.rms_norm_eps)
-    x = np.concatenate([e, h], axis=-1) @ m["fc"].T                                         # (T, D)
-    positions = state.length + np.arange(len(x))
-    x, layer_state, _ = decoder_layer(x, "full_attention", m["layers"][0], state.layers[0], positions, cfg)
-    out = rms_norm(x, m["norm"], cfg.rms_norm_eps)
-    return out @ params["lm_head"].T, out, State((layer_state,), state.length + len(x))
-
-
-def mtp_drafter(params, cfg):
-    """Catch the MTP head up on the newly verified positions, then chain it K times, feeding its own output hidden
-    state and drafted token (its KV for the chained steps is dropped; the state kept covers committed pairs)."""
-    if params["mtp"] is None:
-        raise UserError("--draft mtp: the checkpoint has no mtp.* weights")
-    if cfg.mtp_num_hidden_layers > 1:
-        raise UserError(f"--draft mtp: mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}, only 1 is supported")
-
-    def propose(draft_state, context, new_hidden, k, sampling, rng):
-        start = draft_state.length                # MTP pairs exist for positions [0, start)
-        logits, h, state = mtp_forward(params, cfg, context[start + 1:start + 1 + len(new_hidden)], new_hidden,
-                                       draft_state)
-        committed = state
-
-        def step(token):
-            nonlocal h, state
-            logits, h, state = mtp_forward(params, cfg, [token], h[-1:], state)
-            return logits[-1]
-        tokens, q = draft_chain(logits[-1], step, k, sampling, rng)
-        return tokens, q, committed
-    Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
-    empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
-    return Drafter("mtp", State((empty,), 0), propose)
-
-
-def make_drafter(spec, params, cfg, ngram_table=None):
-    """--draft {none,ngram,mtp,skip:N,model:DIR} -> Drafter or None."""
-    if spec == "none":
-        return None
-    if spec == "ngram":
-        return ngram_drafter(cfg.vocab_size, ngram_table)
-    if spec == "mtp":
-        return mtp_drafter(params, cfg)
-    if spec.startswith("skip:"):
-        if not spec[5:].isdigit():
-            raise UserError(f"--draft {spec}: N must be a layer count")
-        return model_drafter(*first_layers(params, cfg, int(spec[5:])), spec)
-    if spec.startswith("model:"):
-        draft_cfg, draft_params = load_model(spec[6:])
-        if draft_cfg.vocab_size != cfg.vocab_size:
-            raise UserError(f"--draft {spec}: vocab_size {draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}")
-        return model_drafter(draft_params, draft_cfg, spec)
-    raise UserError(f"--draft {spec!r}: expected none, ngram, mtp, skip:N or model:DIR")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Generation
-
-def check_prompt(cfg, prompt):
-    if not len(prompt):
-        raise UserError("the prompt is empty")
-    if len(prompt) > cfg.max_position_embeddings:
-        raise UserError(f"the prompt has {len(prompt)} tokens, more than max_position_embeddings={cfg.max_position_embeddings}")
-    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise UserError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-
-
-def token_limit(cfg, prompt, max_new_tokens):
-    """How many tokens may be generated: max_new_tokens, cut where the sequence fills max_position_embeddings."""
-    check_prompt(cfg, prompt)
-    return min(max_new_tokens, cfg.max_position_embeddings - len(prompt))
-
-
-def generate(params, cfg, prompt, max_new_tokens, sampling, rng, on_tokens=lambda new: None):
-    """Plain decoding: prefill the prompt, then one forward per token. Stops at EOS or the length limit."""
-    limit, tokens, start = token_limit(cfg, prompt, max_new_tokens), [], time.perf_counter()
-    logits, _, state, _ = forward(params, cfg, prompt, empty_state(cfg))
-    prefill_done = time.perf_counter()
-    while len(tokens) < limit:
-        if tokens:
-            logits, _, state, _ = forward(params, cfg, tokens[-1:], state)
-        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
-        on_tokens(tokens[-1:])
-        if tokens[-1] in cfg.eos_token_id:
-            break
-    end = time.perf_counter()
-    calls = max(len(tokens) - 1, 0)
-    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
-                    "tokens_per_call": 1.0 if calls else 0.0,
-                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
-
-
-def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, draft_len, rollback="replay",
-                         on_tokens=lambda new: None):
-    """Speculative decoding: the same tokens as `generate` under greedy decoding, the same distribution under
-    sampling. Each round: the drafter proposes, then speculative_round verifies, accepts and rolls back."""
-    limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
-    stats = SpeculationStats(len(prompt), draft_len, rollback)
-    target, propose = stats.observe(reference_target(params, cfg, rollback)), stats.timed("draft", checked(drafter, cfg))
-    if limit > 0:
-        logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg))
-        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
-        on_tokens(tokens[-1:])
-    draft_state = drafter.initial_state
-    while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
-        k = min(draft_len, limit - len(tokens) - 1)        # room for the target's own token after the drafts
-        draft, q, draft_state = propose(draft_state, list(prompt) + tokens, new_hidden, k, sampling, rng)
-        u = rng.random(len(draft) + 1) if sampling.temperature else None
-        r = speculative_round(target, state, tokens[-1:] + draft, q, sampling, u, cfg.eos_token_id)
-        state, new_hidden = r.state, r.hidden[:len(r.committed)]
-        stats.count(len(draft), r.accepted)
-        tokens += r.committed
-        on_tokens(r.committed)
-    return tokens, stats.result(len(tokens))
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Command line
 
+DEFAULT_MODEL = Path(__file__).resolve().parent / "weights" / "default"
+
+
+# Command line
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(message)
@@ -1386,6 +1362,18 @@ def summary(stats):
     return line
 
 
+def build_ngram_table(sequences, n=3, length=4):
+    """Offline "free drafts": for each n-gram in the target's own generations, its most frequent next phrase."""
+    counts = {}
+    for seq in sequences:
+        for i in range(len(seq) - n):
+            phrase = tuple(seq[i + n:i + n + length])
+            counter = counts.setdefault(tuple(seq[i:i + n]), {})
+            counter[phrase] = counter.get(phrase, 0) + 1
+    return {"n": n, "table": {" ".join(map(str, key)): list(max(c, key=lambda p: (c[p], len(p), [-t for t in p])))
+                              for key, c in counts.items()}}
+
+
 def read_ngram_table(path, vocab_size):
     """build_ngram_table's format: {"n": n, "table": {"t1 t2 ... tn": [next tokens]}}, every id in the vocabulary."""
     table = read_json(path)
@@ -1399,6 +1387,28 @@ def read_ngram_table(path, vocab_size):
             raise UserError(f"{path}: entry {key!r:.100}: {phrase!r:.100} is not {table['n']} token ids separated by "
                             f"spaces -> a list of token ids, all in [0, {vocab_size})")
     return table
+
+
+def make_drafter(spec, params, cfg, ngram_table=None):
+    """--draft {none,ngram,mtp,skip:N,model:DIR} -> Drafter or None."""
+    if spec == "none":
+        return None
+    if spec == "ngram":
+        return ngram_drafter(cfg.vocab_size, ngram_table)
+    if spec == "mtp":
+        return mtp_drafter(params, cfg)
+    if spec.startswith("skip:"):
+        if not spec[5:].isdigit():
+            raise UserError(f"--draft {spec}: N must be a layer count")
+        if not 1 <= int(spec[5:]) <= cfg.num_hidden_layers:
+            raise UserError(f"--draft {spec}: N must be in [1, {cfg.num_hidden_layers}] (the target's layer count)")
+        return model_drafter(*first_layers(params, cfg, int(spec[5:])), spec)
+    if spec.startswith("model:"):
+        draft_cfg, draft_params = load_model(spec[6:])
+        if draft_cfg.vocab_size != cfg.vocab_size:
+            raise UserError(f"--draft {spec}: vocab_size {draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}")
+        return model_drafter(draft_params, draft_cfg, spec)
+    raise UserError(f"--draft {spec!r}: expected none, ngram, mtp, skip:N or model:DIR")
 
 
 def run(args):

@@ -135,7 +135,7 @@ ERRORS = [
     (lambda p: ["--prompt", "x", "--prompt-ids", "1"], "give exactly one of --prompt and --prompt-ids"),
     (lambda p: ["--prompt", "x", "--draft", "tree"], "--draft 'tree': expected none, ngram, mtp, skip:N or model:DIR"),
     (lambda p: ["--prompt", "x", "--draft", "skip:99"], r"--draft skip:99: N must be in \[1, 8\]"),
-    (lambda p: ["--prompt", "x", "--draft", "mtp", "--model", str(ROOT / "weights" / "tiny-dense")], "no mtp.\\* weights"),
+    (lambda p: ["--prompt", "x", "--draft", "mtp", "--model", str(ROOT / "weights" / "tiny-dense")], "the MTP drafter needs mtp.\\* weights"),
     (lambda p: ["--prompt", "x", "--rollback", "undo"], "argument --rollback: invalid choice: 'undo'"),
     (lambda p: ["--prompt", "x", "--draft", f"model:{p / 'nowhere'}"], "nowhere does not exist"),
     (lambda p: ["--prompt", "x", "--draft", "ngram", "--ngram-table", ngram_table(p, {"n": 0, "table": {}})],

@@ -139,7 +139,7 @@ def small_vocab_model():
     cfg = R.config_from_dict(raw)
     rng = np.random.default_rng(3)
     shapes = R.checkpoint_shapes(cfg, with_mtp=False)
-    return cfg, R.nest({n: (3 * random_tensor(n, s, rng)).astype(np.float32) for n, s in shapes.items()})
+    return cfg, R.nested_params({n: (3 * random_tensor(n, s, rng)).astype(np.float32) for n, s in shapes.items()})
 
 
 def exact_distribution(cfg, params, prompt, n, sampling):
@@ -284,7 +284,7 @@ def test_drafter_proposing_ids_outside_the_vocabulary_is_an_error():
 
 def test_mtp_drafter_needs_mtp_weights():
     cfg, params = model("tiny-dense")
-    with pytest.raises(R.UserError, match="no mtp"):
+    with pytest.raises(R.UserError, match="needs mtp.. weights"):
         R.make_drafter("mtp", params, cfg)
 
 

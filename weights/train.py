@@ -125,7 +125,7 @@ def init_params(cfg, seed):
 def nested(flat):
     """The flat checkpoint dict as jax_impl's weights tree (jax_impl.weights: matrices other than the embedding
     stored (in, out), a tied lm_head as (D, V)). Inside jit the transposes fold into the matmuls."""
-    params = R.nest({n: x.T if x.ndim == 2 and "embed_tokens" not in n else x for n, x in flat.items()})
+    params = R.nested_params({n: x.T if x.ndim == 2 and "embed_tokens" not in n else x for n, x in flat.items()})
     return {**params, "lm_head": params["embed_tokens"].T}
 
 

@@ -22,7 +22,7 @@ def sampling_of(settings):
 
 def layer_params(inputs, prefix):
     """Weights stored under checkpoint names -> the nested dict reference.py layers take."""
-    return R.nest({"model." + n[len(prefix):]: a for n, a in inputs.items() if n.startswith(prefix)})
+    return R.nested_params({"model." + n[len(prefix):]: a for n, a in inputs.items() if n.startswith(prefix)})
 
 
 def layer_config(attrs, hidden_size, **fields):
