@@ -97,6 +97,16 @@ class Case(NamedTuple):
     checkpoint: str | None = None  # directory name under weights/
 
 
+def state_tensors(state):
+    """A State (reference.State's fields: layers, length) as the suite names it: state.layers.{i}.{S,conv}
+    (DeltaNet), .{k,v} (attention) in the reference's layouts, state.length."""
+    tensors = {"state.length": np.array([state.length], dtype=np.int64)}
+    for i, layer in enumerate(state.layers):
+        for field, value in layer._asdict().items():
+            tensors[f"state.layers.{i}.{field}"] = value.astype(np.float32)
+    return tensors
+
+
 def sha256_file(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

@@ -14,8 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 import reference as R
-from conformance.engines.reference import state_tensors
-from conformance.format import (MANIFEST, TOLERANCES, Case, Output, checkpoint_dir, write_case)
+from conformance.format import MANIFEST, TOLERANCES, Case, Output, checkpoint_dir, state_tensors, write_case
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
                "tiny-draft")

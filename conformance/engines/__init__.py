@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+import reference as R
+
 ENGINES = {}
 
 
@@ -116,3 +118,32 @@ def inverse_cdf_draw(p, uniforms):
     cdf = np.cumsum(p, axis=-1, dtype=np.float64)
     return np.array([min(np.searchsorted(c, u * c[-1], side="right"), len(c) - 1) for c, u in zip(cdf, uniforms)],
                     dtype=np.int64)
+
+
+# A case's settings, attrs and weights in reference.py's types, for adapters that run on reference.Config (reference,
+# jax). The attrs are named as config.json keys (INTERPRETING.md).
+
+def sampling_of(settings):
+    return R.Sampling(settings["temperature"], settings["top_k"], settings["top_p"])
+
+
+def layer_params(inputs, prefix):
+    """Weights stored under checkpoint names -> the nested dict reference.py layers take."""
+    return R.nest({"model." + n[len(prefix):]: a for n, a in inputs.items() if n.startswith(prefix)})
+
+
+def layer_config(attrs, hidden_size, **fields):
+    """A Config carrying the attrs a layer reads; the rest are filler that the layer does not use."""
+    base = dict(model_type="qwen3_5_text", vocab_size=1, hidden_size=hidden_size, num_hidden_layers=1,
+                layer_types=("linear_attention",), num_attention_heads=1, num_key_value_heads=1, head_dim=2,
+                linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
+                linear_conv_kernel_dim=2, rms_norm_eps=1e-6, rope_theta=1.0, partial_rotary_factor=1.0,
+                max_position_embeddings=1, tie_word_embeddings=True, intermediate_size=1)
+    return R.Config(**{**base, **{k: v for k, v in attrs.items() if k in base}, **fields})
+
+
+def moe_config(attrs, hidden_size):
+    """A Config for one MoE layer: the case's router and expert sizes, no dense FFN."""
+    return layer_config(attrs, hidden_size, model_type="qwen3_5_moe_text", intermediate_size=0,
+                        **{k: attrs[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                   "shared_expert_intermediate_size")})

@@ -15,9 +15,8 @@ import numpy as np
 
 import jax_impl
 import reference as R
-from conformance.engines import Engine, register_engine
-from conformance.engines.reference import layer_config, layer_params, moe_config, sampling_of, state_tensors
-from conformance.format import FEATURES
+from conformance.engines import Engine, layer_config, layer_params, moe_config, register_engine, sampling_of
+from conformance.format import FEATURES, state_tensors
 from jax_impl import model as M
 
 # Layers and the delta rule compiled, as the model runs them (primitives run op by op)
