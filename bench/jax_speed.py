@@ -32,7 +32,8 @@ import jax_impl  # noqa: E402
 import reference as R  # noqa: E402
 from bench.checkpoints import checkpoint, copy_prompt  # noqa: E402
 from bench.engines import ENGINES, TAKES_DTYPE, jax_engine  # noqa: E402
-from jax_impl.model import commit, verify_forward  # noqa: E402
+from jax_impl.model import verify_forward  # noqa: E402
+from jax_impl.rollback import commit  # noqa: E402
 from jax_impl.weights import DTYPES  # noqa: E402
 
 SLOW = {"reference", "transformers"}    # measured once: they take seconds per run

@@ -215,7 +215,7 @@ def measure_jax(path, repeats, checkpoint, new_tokens):
         if design == "per-position":                                         # it keeps K+1 states at verify time
             out["verify_extra"][design] = max(cpu_seconds(verify(SPEC_K, design), repeats) - out["verify"][SPEC_K], 0)
         out["commit"][design] = {n: cpu_seconds(
-            lambda: jax.block_until_ready(jax_impl.rollback(design, state, after, kept, np.int32(n))), repeats)
+            lambda: jax.block_until_ready(jax_impl.commit(design, state, after, kept, np.int32(n))), repeats)
             for n in range(1, SPEC_K + 1)}
     def generate(n, **kw):
         return jax_impl.generate(params, cfg, prompt, n, **kw)[1]

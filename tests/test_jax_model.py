@@ -113,7 +113,7 @@ def test_verify_then_rollback_equals_fresh_run(models, rollback):
     fresh_logits, _, _, _ = reference.forward(params, cfg, PROMPT[:-1] + verified, reference.empty_state(cfg))
     assert_close(logits, fresh_logits[-5:], 2e-5)
     for n in range(1, len(verified) + 1):
-        state = jax_impl.rollback(rollback, before, after, kept, jnp.int32(n))
+        state = jax_impl.commit(rollback, before, after, kept, jnp.int32(n))
         _, _, fresh, _ = reference.forward(params, cfg, PROMPT[:-1] + verified[:n], reference.empty_state(cfg))
         assert int(state.length) == fresh.length
         for got, want in zip(state.layers, fresh.layers):

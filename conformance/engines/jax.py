@@ -1,7 +1,7 @@
 """jax_impl (the JAX implementation, on whatever device JAX has) as an engine, in float32; jax_bf16.py runs the same
 adapter with bf16 weights and activations.
 
-Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, rollback), which compile
+Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, commit), which compile
 once per checkpoint and token count; greedy runs jax_impl.generate, its on-device generation loop. Primitive and layer
 cases call jax_impl.model's functions with the case's weights, transposed to (in, out) by jax_impl.to_jax as the model
 stores them. Every feature is supported.
@@ -139,7 +139,7 @@ class Jax(Engine):
         return host(logits), (rollback, state, after, kept)
 
     def commit(self, model, pending, n):
-        return jax_impl.rollback(*pending, jnp.int32(n))
+        return jax_impl.commit(*pending, jnp.int32(n))
 
     def accept(self, draft, q, logits, sampling, uniforms):
         sampling, draft, logits = sampling_of(sampling), jnp.asarray(draft, jnp.int32), jnp.asarray(logits)
