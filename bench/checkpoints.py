@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from weights.make_tiny import write_random_checkpoint  # noqa: E402
+from weights.make_tiny import write_random_checkpoint
 
 CACHE = Path(os.environ.get("QWEN35_BENCH_CACHE", "/tmp/qwen35-bench"))
 

@@ -35,13 +35,10 @@ Rollback designs (../shared/notes/speculative-decoding-landscape.md, section 0):
 """
 
 import math
-import sys
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import reference as R  # noqa: E402
+import reference as R
 
 DESIGNS = ("re-forward", "per-position", "replay")
 CHUNK = 64  # the chunked gated-delta form's chunk (reference.gated_delta_chunked)

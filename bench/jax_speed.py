@@ -20,21 +20,20 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+import jax_impl
+import reference as R
+from bench.checkpoints import checkpoint, copy_prompt
+from bench.engines import ENGINES, TAKES_DTYPE, jax_engine
+from jax_impl.model import verify_forward
+from jax_impl.rollback import commit
+from jax_impl.weights import DTYPES
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-import jax_impl  # noqa: E402
-import reference as R  # noqa: E402
-from bench.checkpoints import checkpoint, copy_prompt  # noqa: E402
-from bench.engines import ENGINES, TAKES_DTYPE, jax_engine  # noqa: E402
-from jax_impl.model import verify_forward  # noqa: E402
-from jax_impl.rollback import commit  # noqa: E402
-from jax_impl.weights import DTYPES  # noqa: E402
 
 SLOW = {"reference", "transformers"}    # measured once: they take seconds per run
 

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
+import reference as R
+from bench import costmodel as M
+from bench.checkpoints import CACHE, checkpoint, copy_prompt
+from weights.make_tiny import write_random_checkpoint
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import reference as R  # noqa: E402
-from bench import costmodel as M  # noqa: E402
-from bench.checkpoints import CACHE, checkpoint, copy_prompt  # noqa: E402
-from weights.make_tiny import write_random_checkpoint  # noqa: E402
 
 ENGINES = ("reference", "jax")
 LIBRARIES = {"reference": "numpy", "jax": "xla"}

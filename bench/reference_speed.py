@@ -13,11 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import reference as R
+from bench.checkpoints import checkpoint, copy_prompt
+from bench.engines import ENGINES
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import reference as R  # noqa: E402
-from bench.checkpoints import checkpoint, copy_prompt  # noqa: E402
-from bench.engines import ENGINES  # noqa: E402
 
 COLUMNS = ("reference", "transformers")
 
@@ -31,7 +31,7 @@ def child(engine, model_dir, prompt_len, new_tokens):
 
 
 def measure(engine, model_dir, prompt_len, new_tokens):
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from bench.reference_speed import child; "
+    code = (f"import json; from bench.reference_speed import child; "
             f"print(json.dumps(child({engine!r}, {str(model_dir)!r}, {prompt_len}, {new_tokens})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

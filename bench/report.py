@@ -4,7 +4,7 @@ the measured section is a pure function of bench/costmodel.py, so it is the same
 import json
 
 from bench import costmodel as M
-from bench.plots import pyplot
+from weights.plots import pyplot
 
 ACCEPTANCE = (0.6, 0.8, 0.9)
 CONTEXT = 4096

@@ -9,16 +9,15 @@ speculative decode time, prefill excluded from both. Writes spec_speed.json and,
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+import reference as R
+from bench.checkpoints import checkpoint
+from weights.plots import pyplot
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import reference as R  # noqa: E402
-from bench.checkpoints import checkpoint  # noqa: E402
-from bench.plots import pyplot  # noqa: E402
 
 # A prompt that invites copying: code to repeat with an edit.
 PROMPT = ("Repeat this code, renaming total to result:\n"
