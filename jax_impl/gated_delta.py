@@ -6,7 +6,6 @@ Per value head h, with S of shape (Dk, Dv):
     S_t = alpha_t S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - (alpha_t S_{t-1})^T k_t),   o_t = S_t^T q_t
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
