@@ -1,6 +1,6 @@
 """Random benchmark checkpoints, written on demand (never committed) into a cache folder.
 
-Shapes: `0.8b` is Qwen3.5-0.8B (../shared/notes/qwen35-architecture.md, section 1.2; fp32 about 3.2 GB), `30m` is
+Shapes: `0.8b` is Qwen3.5-0.8B (docs/architecture.md, "Published configurations"; fp32 about 3.2 GB), `30m` is
 a ~30M-parameter model (hidden 512, 8 layers, vocab 8192), `30m-draft` a small drafter with the same vocabulary.
 """
 
