@@ -32,7 +32,7 @@ import numpy as np
 
 import reference as R
 from bench import costmodel as M
-from bench.checkpoints import CACHE, checkpoint, copy_prompt
+from bench.checkpoints import CACHE, copy_prompt, model_dir
 from weights.make_tiny import write_random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,10 +50,6 @@ MICRO = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_ke
 
 def log(message):
     print(message, file=sys.stderr, flush=True)
-
-
-def model_dir(name):
-    return ROOT / "weights" / "default" if name == "default" else checkpoint(name)
 
 
 def micro_twin(name):

@@ -11,13 +11,10 @@ import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
 import reference as R
-from bench.checkpoints import checkpoint, copy_prompt
-from bench.engines import ENGINES
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench.checkpoints import checkpoint, copy_prompt, model_dir
+from bench.timing import time_column
 
 COLUMNS = ("reference", "transformers")
 
@@ -25,7 +22,7 @@ COLUMNS = ("reference", "transformers")
 def child(engine, model_dir, prompt_len, new_tokens):
     """Run in a fresh process: one engine -> {prefill_s, decode_tok_s, peak_rss_gib, tokens}."""
     prompt = copy_prompt(prompt_len, min(R.load_config(model_dir).vocab_size, 256))
-    run = ENGINES[engine](model_dir, prompt, new_tokens)
+    run = time_column(engine, model_dir, prompt, new_tokens)
     return {"prefill_s": run.prefill_s, "decode_tok_s": run.decode_tok_s, "tokens": run.tokens,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -55,7 +52,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-0.8b", dest="skip_large", action="store_true", help="only the embedded default model")
     args = ap.parse_args()
-    compare("embedded default model (weights/default)", ROOT / "weights" / "default", 64, 128)
+    compare("embedded default model (weights/default)", model_dir("default"), 64, 128)
     if not args.skip_large:
         compare("Qwen3.5-0.8B-shaped random checkpoint (fp32, 3.2 GB)", checkpoint("0.8b"), 128, 16)
 

@@ -10,7 +10,9 @@ the engine likes; the runner only passes them back. Sampling settings are a dict
 
 import importlib
 import re
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +49,19 @@ def get_engine(name):
     return ENGINES[name]()
 
 
+class Timed(NamedTuple):
+    """A greedy run timed (Engine.timed_greedy): what the benchmarks read."""
+    tokens: list
+    prefill_s: float            # the prompt's forward and the first token
+    decode_s: float             # the other len(tokens) - 1 tokens
+    compile_s: float = 0.0      # jit compilation before the timed run, where the engine has one
+    stats: dict = None          # the engine's own generation stats (jax_impl: tokens per call, acceptance)
+
+    @property
+    def decode_tok_s(self):
+        return (len(self.tokens) - 1) / self.decode_s
+
+
 class Engine:
     """Subclass, set `features`, implement the methods the declared features need:
 
@@ -54,6 +69,7 @@ class Engine:
         prefill                          load, prefill
         decode / extend                  decode (one token / several tokens after a non-empty state)
         greedy                           greedy (the default here drives prefill + decode + argmax)
+        (benchmarks)                     timed_greedy (the same default, timed)
         state_export                     export_state
         rms_norm ... moe_layer           run_op
         sampling                         sample
@@ -83,12 +99,19 @@ class Engine:
 
     def greedy(self, model, prompt, n):
         """n greedy tokens after the prompt (no stop at EOS) -> int64 (n,)."""
-        logits, state = self.prefill(model, prompt)
+        return np.array(self.timed_greedy(model, prompt, n).tokens, dtype=np.int64)
+
+    def timed_greedy(self, model, prompt, n):
+        """greedy, timed: the benchmarks' measure (bench/). The default drives prefill + decode + argmax; the
+        timers stop when the token is on the host."""
+        start = time.perf_counter()
+        logits, state = self.prefill(model, np.asarray(prompt, dtype=np.int64))
         tokens = [int(np.argmax(logits[-1]))]
+        prefilled = time.perf_counter()
         while len(tokens) < n:
             logits, state = self.decode(model, state, np.array(tokens[-1:], dtype=np.int64))
             tokens.append(int(np.argmax(logits[-1])))
-        return np.array(tokens, dtype=np.int64)
+        return Timed(tokens, prefilled - start, time.perf_counter() - prefilled)
 
     def run_op(self, kind, inputs, attrs):
         """A primitive or layer case: inputs and attrs as in the manifest -> {output name: array}."""

@@ -2,9 +2,9 @@
 adapter with bf16 weights and activations.
 
 Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, commit), which compile
-once per checkpoint and token count; greedy runs jax_impl.generate, its on-device generation loop. Primitive and layer
-cases call jax_impl.model's functions with the case's weights, transposed to (in, out) by jax_impl.to_jax as the model
-stores them. Every feature is supported.
+once per checkpoint and token count; greedy (and the benchmarks' timed_greedy) runs jax_impl.generate, its on-device
+generation loop. Primitive and layer cases call jax_impl.model's functions with the case's weights, transposed to
+(in, out) by jax_impl.to_jax as the model stores them. Every feature is supported.
 """
 
 from functools import partial
@@ -15,7 +15,7 @@ import numpy as np
 
 import jax_impl
 import reference as R
-from conformance.engines import Engine, layer_config, layer_params, moe_config, register_engine, sampling_of
+from conformance.engines import Engine, Timed, layer_config, layer_params, moe_config, register_engine, sampling_of
 from conformance.format import FEATURES, state_tensors
 from jax_impl import model as M
 
@@ -115,10 +115,14 @@ class Jax(Engine):
                 for layer in state.layers]
         return state_tensors(R.State(jax.tree.map(host, live), n))
 
-    def greedy(self, model, prompt, n):
+    def timed_greedy(self, model, prompt, n, draft="none", draft_len=4, rollback="replay"):
+        """jax_impl.generate, its on-device loop (speculative with a drafter), EOS ignored. Compile time is apart:
+        a fresh shape compiles and runs once before the timed run."""
         cfg, params = model
-        tokens, _ = jax_impl.generate(params, R.replace(cfg, eos_token_id=()), list(prompt), n)
-        return np.array(tokens, dtype=np.int64)
+        tokens, stats = jax_impl.generate(params, R.replace(cfg, eos_token_id=()), [int(t) for t in prompt], n,
+                                          draft=draft, draft_len=draft_len, rollback=rollback)
+        seconds = stats["seconds"]
+        return Timed(tokens, seconds["prefill"], seconds["decode"], seconds["compile"], stats)
 
     def run_op(self, kind, inputs, attrs):
         prefix = attrs.get("prefix")
