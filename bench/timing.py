@@ -54,6 +54,6 @@ def time_column(column, model_dir, prompt, new_tokens, dtype="float32", repeats=
     engine = adapter(column, dtype)
     model = engine.load(model_dir)
     with matvec_mode(column):
-        if getattr(engine, "device", "cpu") == "cuda":
+        if column == "transformers" and engine.device == "cuda":
             engine.timed_greedy(model, prompt, 3)
         return best_of(repeats, lambda: engine.timed_greedy(model, prompt, new_tokens))
