@@ -162,9 +162,13 @@ def gva_heads(x, num_value_heads):  # (T, Hk, Dk) -> (T, Hv, Dk): consecutive va
     return np.repeat(x, num_value_heads // x.shape[1], axis=1)
 
 
+def value_head_queries_keys(q, k, num_value_heads):  # (T, Hk, Dk) x2 -> (T, Hv, Dk) x2, q scaled by Dk^-1/2
+    return gva_heads(q, num_value_heads) * np.float32(q.shape[-1] ** -0.5), gva_heads(k, num_value_heads)
+
+
 def gated_delta_recurrent(q, k, v, g, beta, initial_state):
     """The literal per-token loop. (T, Hk, Dk) x2, (T, Hv, Dv), (T, Hv) x2, (Hv, Dk, Dv) -> (T, Hv, Dv), S, delta."""
-    q, k = gva_heads(q, v.shape[1]) * np.float32(q.shape[-1] ** -0.5), gva_heads(k, v.shape[1])   # q scaled by Dk^-1/2
+    q, k = value_head_queries_keys(q, k, v.shape[1])
     S, outputs, deltas = initial_state, [], []
     for t in range(len(v)):
         o, S, delta = gated_delta_step(S, q[t], k[t], v[t], g[t], beta[t])
@@ -183,7 +187,7 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
         O     = diag(e^gamma) Q S + (Q K^T * Gamma) Delta
         S'    = e^gamma_last S + (diag(e^(gamma_last - gamma)) K)^T Delta
     The last chunk is simply shorter (transformers pads it with zeros instead, which changes nothing)."""
-    q, k = gva_heads(q, v.shape[1]) * np.float32(q.shape[-1] ** -0.5), gva_heads(k, v.shape[1])   # q scaled by Dk^-1/2
+    q, k = value_head_queries_keys(q, k, v.shape[1])
     S, outputs, deltas = initial_state, [], []
     for start in range(0, len(v), chunk_size):
         Q, Kc, Vc, G, B = [x[start:start + chunk_size].swapaxes(0, 1) for x in (q, k, v, g, beta)]  # (Hv, C, ...)

@@ -1,6 +1,6 @@
 """Random benchmark checkpoints, written on demand (never committed) into a cache folder.
 
-Shapes: `0.8b` is Qwen3.5-0.8B (../shared/notes/qwen35-architecture.md, section 1.2; fp32 about 3.2 GB), `30m` is
+Shapes: `0.8b` is Qwen3.5-0.8B (docs/architecture.md, "Published configurations"; fp32 about 3.2 GB), `30m` is
 a ~30M-parameter model (hidden 512, 8 layers, vocab 8192), `30m-draft` a small drafter with the same vocabulary.
 """
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from weights.make_tiny import write_random_checkpoint  # noqa: E402
+import reference as R
+from weights.make_tiny import write_random_checkpoint
 
 CACHE = Path(os.environ.get("QWEN35_BENCH_CACHE", "/tmp/qwen35-bench"))
 
@@ -36,10 +36,20 @@ def checkpoint(name):
     """Path of the random checkpoint `name`, written (with MTP weights, seed 0) if not cached yet."""
     path = CACHE / name
     if not (path / "model.safetensors").exists():
-        print(f"writing random checkpoint {name} to {path} ...", file=sys.stderr, flush=True)
+        print(f"writing random checkpoint {name} into the bench cache ...", file=sys.stderr, flush=True)
         write_random_checkpoint(path, SHAPES[name], seed=0, options={"mtp": "mtp_num_hidden_layers" in SHAPES[name]},
                                 dtype=np.float32)
     return path
+
+
+def model_dir(name):
+    """The benchmarks' checkpoint `name`: "default" is the embedded default model, the rest are random (SHAPES)."""
+    return R.DEFAULT_MODEL if name == "default" else checkpoint(name)
+
+
+def label(name):
+    """Where checkpoint `name` comes from, for a log: without this machine's paths."""
+    return "weights/default" if name == "default" else f"random, {name} in the bench cache"
 
 
 def copy_prompt(length, vocab, seed=0):

@@ -26,7 +26,7 @@ Speculative decoding: a drafter proposes K tokens, one verify pass runs K+1 (the
 drafts), each draft is accepted with probability a independently of the others, so n, the positions kept, is
 n = i + 1 with P(i accepted) = a^i (1 - a) for i < K and a^K for i = K, and the expected tokens per verify are
 (1 - a^(K+1)) / (1 - a). Speedup = expected tokens * decode seconds / (draft + verify + expected commit seconds).
-Rollback designs (../shared/notes/speculative-decoding-landscape.md, section 0):
+Rollback designs (docs/cost-model.md has who uses which):
   re-forward:   snapshot the DeltaNet states before verify; on a partial accept restore them and run the n kept
                 tokens through the whole model again: a second weight pass.
   per-position: verify writes the state and conv window after every one of its K+1 positions; commit is an index.
@@ -35,20 +35,17 @@ Rollback designs (../shared/notes/speculative-decoding-landscape.md, section 0):
 """
 
 import math
-import sys
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import reference as R  # noqa: E402
+import reference as R
 
 DESIGNS = ("re-forward", "per-position", "replay")
 CHUNK = 64  # the chunked gated-delta form's chunk (reference.gated_delta_chunked)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Published configurations (../shared/notes/qwen35-architecture.md, section 1.2), in config.json field names.
+# Published configurations (docs/architecture.md, "Published configurations"), in config.json field names.
 
 COMMON = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_num_key_heads=16,
               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
@@ -56,8 +53,8 @@ COMMON = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear
               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
 MOE = dict(model_type="qwen3_5_moe_text", tie_word_embeddings=False)
 
-# name -> (fields over COMMON, the fields the notes mark unverified). tie_word_embeddings changes the memory
-# footprint only: lm_head is read in full every pass either way.
+# name -> (fields over COMMON, the fields not read from an official config.json). tie_word_embeddings changes the
+# memory footprint only: lm_head is read in full every pass either way.
 PUBLISHED = {
     "0.8B": (dict(num_hidden_layers=24, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
                   num_key_value_heads=2, linear_num_value_heads=16, tie_word_embeddings=True), ()),
@@ -387,7 +384,7 @@ def expected_tokens(a, K):
 
 
 def claim_speedup(N, linear_share=0.75):
-    """The "1.33x ceiling" (../shared/seeds/): verifying N tokens costs N steps in the DeltaNet share of the model
+    """The "1.33x ceiling" (docs/cost-model.md): verifying N tokens costs N steps in the DeltaNet share of the model
     and 1 in the rest, all N accepted: N / (0.75 N + 0.25), which tends to 4/3."""
     return N / (linear_share * N + 1 - linear_share)
 

@@ -14,21 +14,18 @@ import collections
 import gzip
 import json
 import re
-import sys
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jax_impl  # noqa: E402
-from jax_impl import matvec  # noqa: E402
-from bench.checkpoints import checkpoint, copy_prompt  # noqa: E402
-from bench.jax_speed import device_loop, wall_seconds, weight_bytes_per_token  # noqa: E402
-from jax_impl.model import forward_hidden, lm_head  # noqa: E402
+import jax_impl
+from jax_impl import matvec
+from bench.checkpoints import copy_prompt, model_dir
+from bench.jax_speed import device_loop, wall_seconds, weight_bytes_per_token
+from jax_impl.model import forward_hidden, lm_head
 
 KERNEL = "ffi_call"                                  # XLA's name for the matvec kernel's custom calls
 # Events that are not ops: Python frames ("$..."), the executor and the while loop around the ops, JAX's dispatch
@@ -120,7 +117,7 @@ def main():
     matvec.set_mode(args.matvec)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, fp32, batch 1, greedy, 64-token prompt")
     for name in args.models:
-        cfg, params = jax_impl.load(ROOT / "weights" / "default" if name == "default" else checkpoint(name))
+        cfg, params = jax_impl.load(model_dir(name))
         report(name, breakdown(cfg, params, args.steps), weight_bytes_per_token(cfg, "float32"), args.steps, args.top)
 
 

@@ -18,34 +18,25 @@ numpy's fp32 GEMV on a CPU, else XLA's.
 import argparse
 import sys
 import time
-from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-import jax_impl  # noqa: E402
-import reference as R  # noqa: E402
-from bench.checkpoints import checkpoint, copy_prompt  # noqa: E402
-from bench.engines import ENGINES, TAKES_DTYPE, jax_engine  # noqa: E402
-from jax_impl.model import commit, verify_forward  # noqa: E402
-from jax_impl.weights import DTYPES  # noqa: E402
+import jax_impl
+import reference as R
+from bench.checkpoints import copy_prompt, label, model_dir
+from bench.timing import COLUMNS, TAKES_DTYPE, adapter, best_of, time_column
+from jax_impl.model import verify_forward
+from jax_impl.rollback import commit
+from jax_impl.weights import DTYPES
 
 SLOW = {"reference", "transformers"}    # measured once: they take seconds per run
 
 
 def log(message):
     print(message, file=sys.stderr, flush=True)
-
-
-def best_of(repeats, run):
-    """The fastest decode of `repeats` runs, with the first run's compile time (later runs reuse its executables)."""
-    runs = [run() for _ in range(repeats)]
-    return min(runs, key=lambda r: r.decode_s)._replace(compile_s=runs[0].compile_s)
 
 
 def wall_seconds(run):
@@ -96,8 +87,8 @@ def plain_decode(model_dir, prompt, new_tokens, repeats, bandwidth, dtype, engin
         log(f"  {name} ...")
         options = dict(dtype=dtype) if name in TAKES_DTYPE else {}
         try:
-            runs[name] = best_of(1 if name in SLOW else repeats,
-                                 lambda: ENGINES[name](model_dir, prompt, new_tokens, **options))
+            runs[name] = time_column(name, model_dir, prompt, new_tokens, repeats=1 if name in SLOW else repeats,
+                                     **options)
         except Exception as e:  # a peer that cannot run this checkpoint loses its column, not the benchmark
             if name == "jax":
                 raise
@@ -116,11 +107,13 @@ def plain_decode(model_dir, prompt, new_tokens, repeats, bandwidth, dtype, engin
 
 def speculative(model_dir, prompt, new_tokens, repeats, plain, draft_len, dtype):
     print(f"\n== speculative decoding in jax_impl (greedy, K={draft_len}), speedup over its plain decode")
+    engine = adapter("jax", dtype)
+    model = engine.load(model_dir)
     for draft in ("ngram", "mtp"):
         for rollback in R.ROLLBACK_STRATEGIES:
             log(f"  {draft} / {rollback} ...")
             spec = dict(draft=draft, draft_len=draft_len, rollback=rollback)
-            r = best_of(repeats, lambda: jax_engine(model_dir, prompt, new_tokens, dtype, **spec))
+            r = best_of(repeats, lambda: engine.timed_greedy(model, prompt, new_tokens, **spec))
             stats = r.stats
             print(f"{draft:>6} {rollback:>12}: {plain.decode_s / r.decode_s:5.2f}x ({r.decode_tok_s:7.1f} tok/s; "
                   f"accepted {stats['accepted']}/{stats['proposed']}, {stats['tokens_per_call']:.2f} tokens/call); "
@@ -172,20 +165,20 @@ def main():
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="jax_impl's and transformers'")
-    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
+    ap.add_argument("--engines", nargs="+", choices=COLUMNS, default=list(COLUMNS),
                     help="plain-decode columns (jax always runs: the speculative figures are relative to it)")
     args = ap.parse_args()
-    engines = [name for name in ENGINES if name in {*args.engines, "jax"}]
+    engines = [name for name in COLUMNS if name in {*args.engines, "jax"}]
     bandwidth = gemv_bandwidth(args.dtype)
     for name in args.models:
-        model_dir = ROOT / "weights" / "default" if name == "default" else checkpoint(name)
-        cfg = R.load_config(model_dir)
+        path = model_dir(name)
+        cfg = R.load_config(path)
         prompt = copy_prompt(args.prompt_len, cfg.vocab_size)
-        print(f"\n#### {name} ({model_dir}): {jax.devices()[0].device_kind}, prompt {len(prompt)} tokens, "
+        print(f"\n#### {name} ({label(name)}): {jax.devices()[0].device_kind}, prompt {len(prompt)} tokens, "
               f"{args.new_tokens} new, greedy, {args.dtype}, batch 1")
-        plain = plain_decode(model_dir, prompt, args.new_tokens, args.repeats, bandwidth, args.dtype, engines)
-        speculative(model_dir, prompt, args.new_tokens, args.repeats, plain, args.draft_len, args.dtype)
-        rollback_costs(model_dir, prompt, args.draft_len, args.repeats, args.dtype)
+        plain = plain_decode(path, prompt, args.new_tokens, args.repeats, bandwidth, args.dtype, engines)
+        speculative(path, prompt, args.new_tokens, args.repeats, plain, args.draft_len, args.dtype)
+        rollback_costs(path, prompt, args.draft_len, args.repeats, args.dtype)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
+import reference as R
+from bench import costmodel as M
+from bench.checkpoints import CACHE, copy_prompt, model_dir
+from weights.make_tiny import write_random_checkpoint
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import reference as R  # noqa: E402
-from bench import costmodel as M  # noqa: E402
-from bench.checkpoints import CACHE, checkpoint, copy_prompt  # noqa: E402
-from weights.make_tiny import write_random_checkpoint  # noqa: E402
 
 ENGINES = ("reference", "jax")
 LIBRARIES = {"reference": "numpy", "jax": "xla"}
@@ -50,10 +50,6 @@ MICRO = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_ke
 
 def log(message):
     print(message, file=sys.stderr, flush=True)
-
-
-def model_dir(name):
-    return ROOT / "weights" / "default" if name == "default" else checkpoint(name)
 
 
 def micro_twin(name):
@@ -215,7 +211,7 @@ def measure_jax(path, repeats, checkpoint, new_tokens):
         if design == "per-position":                                         # it keeps K+1 states at verify time
             out["verify_extra"][design] = max(cpu_seconds(verify(SPEC_K, design), repeats) - out["verify"][SPEC_K], 0)
         out["commit"][design] = {n: cpu_seconds(
-            lambda: jax.block_until_ready(jax_impl.rollback(design, state, after, kept, np.int32(n))), repeats)
+            lambda: jax.block_until_ready(jax_impl.commit(design, state, after, kept, np.int32(n))), repeats)
             for n in range(1, SPEC_K + 1)}
     def generate(n, **kw):
         return jax_impl.generate(params, cfg, prompt, n, **kw)[1]

@@ -11,13 +11,10 @@ import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import reference as R  # noqa: E402
-from bench.checkpoints import checkpoint, copy_prompt  # noqa: E402
-from bench.engines import ENGINES  # noqa: E402
+import reference as R
+from bench.checkpoints import checkpoint, copy_prompt, model_dir
+from bench.timing import time_column
 
 COLUMNS = ("reference", "transformers")
 
@@ -25,13 +22,13 @@ COLUMNS = ("reference", "transformers")
 def child(engine, model_dir, prompt_len, new_tokens):
     """Run in a fresh process: one engine -> {prefill_s, decode_tok_s, peak_rss_gib, tokens}."""
     prompt = copy_prompt(prompt_len, min(R.load_config(model_dir).vocab_size, 256))
-    run = ENGINES[engine](model_dir, prompt, new_tokens)
+    run = time_column(engine, model_dir, prompt, new_tokens)
     return {"prefill_s": run.prefill_s, "decode_tok_s": run.decode_tok_s, "tokens": run.tokens,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def measure(engine, model_dir, prompt_len, new_tokens):
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from bench.reference_speed import child; "
+    code = (f"import json; from bench.reference_speed import child; "
             f"print(json.dumps(child({engine!r}, {str(model_dir)!r}, {prompt_len}, {new_tokens})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -55,7 +52,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-0.8b", dest="skip_large", action="store_true", help="only the embedded default model")
     args = ap.parse_args()
-    compare("embedded default model (weights/default)", ROOT / "weights" / "default", 64, 128)
+    compare("embedded default model (weights/default)", model_dir("default"), 64, 128)
     if not args.skip_large:
         compare("Qwen3.5-0.8B-shaped random checkpoint (fp32, 3.2 GB)", checkpoint("0.8b"), 128, 16)
 

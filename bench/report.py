@@ -4,7 +4,7 @@ the measured section is a pure function of bench/costmodel.py, so it is the same
 import json
 
 from bench import costmodel as M
-from bench.plots import pyplot
+from weights.plots import pyplot
 
 ACCEPTANCE = (0.6, 0.8, 0.9)
 CONTEXT = 4096
@@ -57,8 +57,9 @@ def assumptions():
   whole model again. per-position: verify writes the state and conv window after each of the K+1 positions;
   commit is an index. replay: verify writes a tape (δ, k, g, qkv per step); a partial accept replays n rank-1
   updates from the snapshot. Full acceptance needs no commit work in any design.
-* **Configs** from ../shared/notes/qwen35-architecture.md §1.2; fields marked unverified there are listed below
-  (tie_word_embeddings changes the memory footprint only: lm_head is read in full every pass either way).
+* **Configs** from docs/architecture.md ("Published configurations"); fields not read from an official config.json
+  are listed below (tie_word_embeddings changes the memory footprint only: lm_head is read in full every pass
+  either way).
 """
 
 
@@ -75,7 +76,7 @@ def published_table():
                      f"{100 * state / everything:.2f}%", ", ".join(M.PUBLISHED[name][1]) or "-"])
     return "## Published configurations: what one decode step moves\n\n" + table(
         ["model", "DeltaNet + attention layers", "params", "active", "weights read", "DeltaNet state r+w",
-         f"KV read @ {CONTEXT}", "state share of bytes", "unverified in the notes"], rows) + (
+         f"KV read @ {CONTEXT}", "state share of bytes", "not from an official config.json"], rows) + (
         "\n\nParameters exclude MTP and the vision tower; that the totals land on the names is a check on the "
         "table. Weights read exclude the embedding table (one row per token).")
 
@@ -126,9 +127,9 @@ def claim_section():
             reforward.append([name, a, f"{M.expected_tokens(a, M.best_k(cfg, a, 're-forward', s)[0]):.2f}"] + cells)
     return """## The "1.33x ceiling"
 
-The seed (../shared/seeds/, in Chinese) argues: attention verifies N tokens in parallel (cost 1), DeltaNet is
-sequential (cost N), 3 of 4 layers are DeltaNet, so verifying N tokens costs 0.25 + 0.75·N decode steps and the
-speedup at 100% acceptance is at most **N / (0.75·N + 0.25) → 4/3**.
+A widely shared write-up (docs/cost-model.md names it) argues: attention verifies N tokens in parallel (cost 1),
+DeltaNet is sequential (cost N), 3 of 4 layers are DeltaNet, so verifying N tokens costs 0.25 + 0.75·N decode steps
+and the speedup at 100% acceptance is at most **N / (0.75·N + 0.25) → 4/3**.
 
 The premise that fails is *cost N*: it holds only if a DeltaNet layer re-reads its weights (and round-trips its
 state) once per token, i.e. runs the verify as N one-token steps. A decode step of a DeltaNet layer is ~99% weight

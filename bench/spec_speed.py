@@ -9,16 +9,15 @@ speculative decode time, prefill excluded from both. Writes spec_speed.json and,
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+import reference as R
+from bench.checkpoints import checkpoint, model_dir
+from weights.plots import pyplot
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import reference as R  # noqa: E402
-from bench.checkpoints import checkpoint  # noqa: E402
-from bench.plots import pyplot  # noqa: E402
 
 # A prompt that invites copying: code to repeat with an edit.
 PROMPT = ("Repeat this code, renaming total to result:\n"
@@ -26,7 +25,7 @@ PROMPT = ("Repeat this code, renaming total to result:\n"
           "def total(values):\n")
 
 MODELS = {  # name -> (checkpoint dir, drafter model dir for model:DIR, or None: no smaller model shares its vocabulary)
-    "default": lambda: (ROOT / "weights" / "default", None),
+    "default": lambda: (model_dir("default"), None),
     "30m": lambda: (checkpoint("30m"), checkpoint("30m-draft")),  # random, written on demand by bench/checkpoints.py
 }
 

@@ -5,14 +5,15 @@
 
 Engine verbs (the conformance adapter's): load; empty_state(cfg, capacity); prefill(params, cfg, tokens, state)
 -> logits, hidden, state, tapes; decode(params, cfg, token, state) -> logits, hidden, state (state donated);
-verify(params, cfg, tokens, state, rollback) -> logits, hidden, state after all, kept states or tapes;
-rollback(strategy, before, after, kept, n) -> the state after the first n verified positions.
+verify(params, cfg, tokens, state, strategy) -> logits, hidden, state after all, kept states or tapes;
+commit(strategy, before, after, kept, n) -> the state after the first n verified positions (rollback.py).
 """
 
-from .gated_delta import (conv_window, conv_windows, delta_states, gated_delta_chunked, gated_delta_recurrent,
-                          gated_delta_step, replay)
-from .model import (commit_per_position, commit_replay, decode, empty_kv, empty_state, forward, forward_hidden,
-                    keep_per_position, kv_from_reference, kv_to_reference, lm_head, prefill, rollback, verify)
+from .gated_delta import gated_delta_chunked, gated_delta_recurrent, gated_delta_step
+from .model import (commit, decode, empty_kv, empty_state, forward, forward_hidden, kv_from_reference,
+                    kv_to_reference, lm_head, prefill, verify)
+from .rollback import (commit_per_position, commit_replay, conv_window, conv_windows, delta_states,
+                       keep_per_position, replay)
 from .sharding import initialize_distributed, make_mesh
 from .spec_decode import (accept_greedy, accept_speculative, generate, generate_device, mtp_hidden, probabilities,
                           prompt_lookup, sample)

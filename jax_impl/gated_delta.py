@@ -1,23 +1,23 @@
-"""The gated delta rule in JAX: one step, the per-token scan, the chunked (WY / UT) form, and the two rollback
-primitives (per-position states, tape replay). Same argument names, axis letters and einsum strings as
-reference.py; everything here is fp32 whatever the model dtype (the DeltaNet state is always fp32).
+"""The gated delta rule in JAX: one step, the per-token scan and the chunked (WY / UT) form (rollback.py rebuilds
+states from a verify pass's tape). Same argument names, axis letters and einsum strings as reference.py; everything
+here is fp32 whatever the model dtype (the DeltaNet state is always fp32).
 
 Per value head h, with S of shape (Dk, Dv):
     S_t = alpha_t S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - (alpha_t S_{t-1})^T k_t),   o_t = S_t^T q_t
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-
-from reference import Tape
 
 f32 = jnp.float32
 
 
-def gva_heads(q, k, num_value_heads):  # (T, Hk, Dk) -> (T, Hv, Dk): consecutive value heads share a key head
-    r = num_value_heads // q.shape[1]
-    return jnp.repeat(q, r, axis=1) * f32(q.shape[-1] ** -0.5), jnp.repeat(k, r, axis=1)
+def gva_heads(x, num_value_heads):  # (T, Hk, Dk) -> (T, Hv, Dk): consecutive value heads share a key head
+    return jnp.repeat(x, num_value_heads // x.shape[1], axis=1)
+
+
+def value_head_queries_keys(q, k, num_value_heads):  # (T, Hk, Dk) x2 -> (T, Hv, Dk) x2, q scaled by Dk^-1/2
+    return gva_heads(q, num_value_heads) * f32(q.shape[-1] ** -0.5), gva_heads(k, num_value_heads)
 
 
 def gated_delta_step(S, q, k, v, g, beta):  # (Hv, Dk, Dv), (Hv, Dk), (Hv, Dk), (Hv, Dv), (Hv,), (Hv,)
@@ -31,7 +31,7 @@ def gated_delta_step(S, q, k, v, g, beta):  # (Hv, Dk, Dv), (Hv, Dk), (Hv, Dk), 
 
 def gated_delta_recurrent(q, k, v, g, beta, initial_state):
     """The per-token loop as a scan. (T, Hk, Dk) x2, (T, Hv, Dv), (T, Hv) x2, (Hv, Dk, Dv) -> (T, Hv, Dv), S, delta."""
-    q, k = gva_heads(q, k, v.shape[1])
+    q, k = value_head_queries_keys(q, k, v.shape[1])
 
     def step(S, x):
         o, S, delta = gated_delta_step(S, *x)
@@ -55,7 +55,7 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
     """The chunked form (see reference.gated_delta_chunked for the matrices), a scan over chunks of C tokens.
     Chunks are min(chunk_size, T) long, so a verify pass of K+1 tokens is one chunk without padding."""
     T, Hv = v.shape[:2]
-    q, k = gva_heads(q, k, Hv)
+    q, k = value_head_queries_keys(q, k, Hv)
     C = min(chunk_size, T)
     pad = (-T) % C
     chunks = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, k, v, g, beta)]
@@ -80,36 +80,4 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
     return O.reshape((-1,) + O.shape[2:])[:T], S, Delta.reshape((-1,) + Delta.shape[2:])[:T]
 
 
-# Rollback primitives over a Tape (reference.Tape: qkv (T, C), k (T, Hk, Dk), g (T, Hv), delta (T, Hv, Dv)).
-
-def delta_states(S0, tape):  # (Hv, Dk, Dv), Tape of T steps -> (T, Hv, Dk, Dv)
-    """The state after each step, closed form: S_t = e^gamma_t S_0 + sum_{j<=t} e^(gamma_t - gamma_j) k_j delta_j^T."""
-    T, Hv = tape.g.shape
-    k = jnp.repeat(tape.k, Hv // tape.k.shape[1], axis=1)                                    # (T, Hv, Dk)
-    gamma = jnp.cumsum(tape.g, axis=0)                                                       # (T, Hv)
-    lower = jnp.tril(jnp.ones((T, T), bool))[..., None]
-    decay = jnp.exp(jnp.where(lower, gamma[:, None] - gamma[None, :], -jnp.inf))            # (T, T, Hv)
-    return jnp.exp(gamma)[..., None, None] * S0 + jnp.einsum("tjh,jhk,jhv->thkv", decay, k, tape.delta)
-
-
-def replay(S0, tape, n):  # (Hv, Dk, Dv), Tape of T steps, traced steps n <= T -> (Hv, Dk, Dv)
-    """Rebuild the state after n steps: reference.replay's loop of decays and rank-1 updates, summed in closed form
-    (as delta_states, at t = n only) and masked by j < n. One contraction, no loop: a loop costs an iteration per
-    step (on a GPU, a round trip to the host): as a scan, replay took 49% of a verify pass on an H200."""
-    k = jnp.repeat(tape.k, tape.g.shape[1] // tape.k.shape[1], axis=1)                      # (T, Hv, Dk)
-    gamma = jnp.concatenate([jnp.zeros_like(tape.g[:1]), jnp.cumsum(tape.g, axis=0)])      # (T+1, Hv) after t steps
-    live = (jnp.arange(len(k)) < n)[:, None]                                                # (T, 1)
-    decay = jnp.exp(jnp.where(live, gamma[n] - gamma[1:], -jnp.inf))                        # (T, Hv) step j to n
-    return jnp.exp(gamma[n])[:, None, None] * S0 + jnp.einsum("jh,jhk,jhv->hkv", decay, k, tape.delta)
-
-
-def conv_window(window, qkv, n):  # (W-1, C), (T, C), traced n -> (W-1, C): the conv window after n of the T steps
-    return lax.dynamic_slice_in_dim(jnp.concatenate([window, qkv]), n, window.shape[0])
-
-
-def conv_windows(window, qkv):  # (W-1, C), (T, C) -> (T, W-1, C): the window after each step
-    return jax.vmap(lambda n: conv_window(window, qkv, n))(jnp.arange(1, len(qkv) + 1))
-
-
-__all__ = ["Tape", "gva_heads", "gated_delta_step", "gated_delta_recurrent", "gated_delta_chunked", "delta_states",
-           "replay", "conv_window", "conv_windows"]
+__all__ = ["gva_heads", "value_head_queries_keys", "gated_delta_step", "gated_delta_recurrent", "gated_delta_chunked"]

@@ -1,6 +1,6 @@
 """The Qwen3.5 hybrid model in JAX: pure functions over the weights pytree (reference.load_model's nested dict, as jax
 arrays) and an explicit state pytree (reference.State / DeltaState / AttnState with static shapes), plus the
-jit-compiled entry points prefill, decode, verify and rollback. Reads side by side with reference.py; the axis
+jit-compiled entry points prefill, decode, verify and commit. Reads side by side with reference.py; the axis
 letters are its legend (T tokens, S cache slots, D hidden, ...).
 
 Differences from the reference, all forced by fixed shapes:
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from reference import AttnState, DeltaState, State, Tape
+from . import rollback
+from .gated_delta import gated_delta_chunked, gated_delta_step, value_head_queries_keys
 from .matvec import matmul, matmuls
-from .gated_delta import (conv_window, conv_windows, delta_states, gated_delta_chunked, gated_delta_step,
-                          gva_heads, replay)
 
 f32 = jnp.float32
 
@@ -66,7 +66,7 @@ def causal_conv1d(x, window, weight, valid):  # (T, C), (W-1, C), (C, W) -> (T, 
     T, W = x.shape[0], weight.shape[1]
     padded = jnp.concatenate([window, x])                                                       # (W-1+T, C)
     taps = jnp.stack([padded[i:i + T] for i in range(W)], axis=-1)                              # (T, C, W)
-    return jnp.einsum("tcw,cw->tc", taps, weight), conv_window(window, x, valid)
+    return jnp.einsum("tcw,cw->tc", taps, weight), rollback.conv_window(window, x, valid)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def gated_deltanet(x, state, valid, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_p
     g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))  # (T, Hv) log decay, < 0
     g = jnp.where(live, g, 0)
     if T == 1:                                                                 # decode: the one-step recurrence
-        q1, k1 = gva_heads(q, k, Hv)
+        q1, k1 = value_head_queries_keys(q, k, Hv)
         o, S, delta = gated_delta_step(state.S, q1[0], k1[0], v[0], g[0], beta[0])
         o, delta = o[None], delta[None]
     else:                                                                      # prefill, verify: chunked
@@ -196,43 +196,17 @@ def forward(params, cfg, tokens, state, valid=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Rollback. verify keeps what the chosen strategy needs; commit keeps the first n verified positions on device.
+# Verify: one target pass keeping what the rollback strategy needs (rollback.py commits the kept positions).
 
-def keep_per_position(before, tapes):
-    """Per-position strategy, at verify time: every DeltaNet layer's (S, conv window) after each verified position."""
-    return [None if tape is None else (delta_states(layer.S, tape), conv_windows(layer.conv, tape.qkv))
-            for layer, tape in zip(before.layers, tapes)]
-
-
-def commit_per_position(before, after, kept, n):
-    """Keep the first n verified positions: an index into the kept states; attention just moves the length."""
-    layers = tuple(a if k is None else DeltaState(k[1][n - 1], k[0][n - 1]) for a, k in zip(after.layers, kept))
-    return State(layers, before.length + n)
-
-
-def commit_replay(before, after, tapes, n):
-    """Keep the first n verified positions: replay the tape from the pre-verify state, skipped on full accept."""
-    def rebuilt():
-        layers = tuple(a if t is None else DeltaState(conv_window(b.conv, t.qkv, n), replay(b.S, t, n))
-                       for b, a, t in zip(before.layers, after.layers, tapes))
-        return State(layers, before.length + n)
-    verified = after.length - before.length
-    return lax.cond(n == verified, lambda: after, rebuilt)
-
-
-def verify_forward(params, cfg, tokens, state, rollback):
+def verify_forward(params, cfg, tokens, state, strategy):
     """One target pass over [last committed token, K drafts] -> logits (K+1, V), hidden (K+1, D), the state after
-    all K+1, and what `rollback` needs: the K+1 kept states ("per-position") or the tapes ("replay")."""
+    all K+1, and what the rollback `strategy` needs: the K+1 kept states ("per-position") or the tapes ("replay")."""
     logits, hidden, after, tapes = forward(params, cfg, tokens, state)
-    return logits, hidden, after, keep_per_position(state, tapes) if rollback == "per-position" else tapes
-
-
-def commit(rollback, before, after, kept, n):
-    return (commit_per_position if rollback == "per-position" else commit_replay)(before, after, kept, n)
+    return logits, hidden, after, rollback.keep_per_position(state, tapes) if strategy == "per-position" else tapes
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Jit-compiled entry points (the conformance adapter's verbs). cfg and strategy names are static.
+# Jit-compiled entry points (the conformance adapter's verbs). cfg and rollback strategy names are static.
 
 prefill = jax.jit(forward, static_argnames="cfg")
 
@@ -243,5 +217,5 @@ def decode(params, cfg, token, state):  # () token -> logits (V,), hidden (D,), 
     return lm_head(params, hidden[0]), hidden[0], state
 
 
-verify = jax.jit(verify_forward, static_argnames=("cfg", "rollback"))
-rollback = jax.jit(commit, static_argnames="rollback")
+verify = jax.jit(verify_forward, static_argnames=("cfg", "strategy"))
+commit = jax.jit(rollback.commit, static_argnames="strategy")  # (strategy, before, after, kept, n) -> State

@@ -17,9 +17,10 @@ from jax import lax
 
 import reference
 from reference import Sampling, State
-from .model import empty_kv, empty_state, forward_hidden, decoder_layer, lm_head, rms_norm, verify_forward, commit
 from . import matvec
 from .matvec import matmul
+from .model import decoder_layer, empty_kv, empty_state, forward_hidden, lm_head, rms_norm, verify_forward
+from .rollback import commit
 from .sharding import constrain_state, fetch, put, replicated
 
 f32 = jnp.float32
@@ -86,14 +87,16 @@ def is_eos(tokens, cfg):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Drafters, each three pure functions over its own state pytree:
+# Drafters. reference.Drafter is one propose function that sees the whole context and returns a variable number of
+# drafts; inside the on-device loop shapes are fixed, so a DeviceDrafter is three pure functions over its own state
+# pytree, always proposing K drafts of which the first m are valid:
 #   init(params, cfg, buf, prompt_len, hidden, table) -> draft_state   after prefill (hidden: the padded prompt's)
 #   propose(params, cfg, draft_state, buf, ntok, K, sampling, key) -> drafts (K,), q (K, V), valid count m
 #   update(params, cfg, draft_state, new, hidden, n) -> draft_state    after a round kept n verified positions
 # `buf[:ntok]` is the context; `new` (K+1,) holds the tokens after each verified position, `hidden` (K+1, D) the
 # target's final-normed hidden states there; `table` is an offline n-gram table as arrays (or None).
 
-class Drafter(NamedTuple):
+class DeviceDrafter(NamedTuple):
     init: Callable
     propose: Callable
     update: Callable
@@ -146,7 +149,7 @@ def ngram_propose(params, cfg, table, buf, ntok, K, sampling, key):
     return drafts, jax.nn.one_hot(drafts, cfg.vocab_size, dtype=f32), m
 
 
-NGRAM = Drafter(init=lambda params, cfg, buf, prompt_len, hidden, table: table, propose=ngram_propose,
+NGRAM = DeviceDrafter(init=lambda params, cfg, buf, prompt_len, hidden, table: table, propose=ngram_propose,
                 update=lambda params, cfg, table, *args: table)
 
 
@@ -186,7 +189,7 @@ def mtp_update(params, cfg, draft_state, new, hidden, n):
     return state, out[n - 1]
 
 
-MTP = Drafter(mtp_init, mtp_propose, mtp_update)
+MTP = DeviceDrafter(mtp_init, mtp_propose, mtp_update)
 DRAFTERS = {"ngram": NGRAM, "mtp": MTP}
 
 

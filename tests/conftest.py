@@ -1,17 +1,15 @@
 import os
-import sys
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+import reference
+
 # JAX on the CPU, whatever the machine has: tests must pass without an accelerator.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import reference  # noqa: E402  (after the path is set)
 
 
 @lru_cache(maxsize=None)

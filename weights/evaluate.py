@@ -12,16 +12,13 @@ then three greedy continuations of fixed prompts for the card. The chance baseli
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import jax_impl  # noqa: E402
-import reference as R  # noqa: E402
-from weights.train import corpus  # noqa: E402
+import jax_impl
+import reference as R
+from weights.train import corpus
 
 CARD_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", '    """Return the number of ']
 DRAFTERS = [("mtp", 1, False), ("mtp", 2, False), ("mtp", 3, False), ("ngram", 4, False), ("ngram", 4, True)]

@@ -20,8 +20,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import reference  # noqa: E402  (the one table of tensor names and shapes)
+import reference  # (the one table of tensor names and shapes)
 
 HERE = Path(__file__).resolve().parent
 EOS = "<|endoftext|>"

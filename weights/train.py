@@ -18,22 +18,18 @@ import sysconfig
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from jax import lax
 import numpy as np
+import optax
+from safetensors.numpy import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-import optax  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
-
-import reference as R  # noqa: E402
-from jax_impl.model import empty_state, forward_hidden, lm_head  # noqa: E402
-from jax_impl.spec_decode import mtp_hidden  # noqa: E402
-from bench.plots import pyplot  # noqa: E402
+import reference as R
+from jax_impl.model import empty_state, forward_hidden, lm_head
+from jax_impl.spec_decode import mtp_hidden
+from weights.plots import pyplot
 
 EOS = "<|endoftext|>"
 VOCAB = 4096

@@ -10,6 +10,7 @@ the engine likes; the runner only passes them back. Sampling settings are a dict
 
 import importlib
 import re
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -48,6 +49,19 @@ def get_engine(name):
     return ENGINES[name]()
 
 
+class Timed(NamedTuple):
+    """A greedy run timed (Engine.timed_greedy): what the benchmarks read."""
+    tokens: list
+    prefill_s: float            # the prompt's forward and the first token
+    decode_s: float             # the other len(tokens) - 1 tokens
+    compile_s: float = 0.0      # jit compilation before the timed run, where the engine has one
+    stats: dict = None          # the engine's own generation stats (jax_impl: tokens per call, acceptance)
+
+    @property
+    def decode_tok_s(self):
+        return (len(self.tokens) - 1) / self.decode_s
+
+
 class Engine:
     """Subclass, set `features`, implement the methods the declared features need:
 
@@ -55,6 +69,7 @@ class Engine:
         prefill                          load, prefill
         decode / extend                  decode (one token / several tokens after a non-empty state)
         greedy                           greedy (the default here drives prefill + decode + argmax)
+        (benchmarks)                     timed_greedy (the same default, timed)
         state_export                     export_state
         rms_norm ... moe_layer           run_op
         sampling                         sample
@@ -86,12 +101,19 @@ class Engine:
 
     def greedy(self, model, prompt, n):
         """n greedy tokens after the prompt (no stop at EOS) -> int64 (n,)."""
-        logits, state = self.prefill(model, prompt)
+        return np.array(self.timed_greedy(model, prompt, n).tokens, dtype=np.int64)
+
+    def timed_greedy(self, model, prompt, n):
+        """greedy, timed: the benchmarks' measure (bench/). The default drives prefill + decode + argmax; the
+        timers stop when the token is on the host."""
+        start = time.perf_counter()
+        logits, state = self.prefill(model, np.asarray(prompt, dtype=np.int64))
         tokens = [int(np.argmax(logits[-1]))]
+        prefilled = time.perf_counter()
         while len(tokens) < n:
             logits, state = self.decode(model, state, np.array(tokens[-1:], dtype=np.int64))
             tokens.append(int(np.argmax(logits[-1])))
-        return np.array(tokens, dtype=np.int64)
+        return Timed(tokens, prefilled - start, time.perf_counter() - prefilled)
 
     def run_op(self, kind, inputs, attrs):
         """A primitive or layer case: inputs and attrs as in the manifest -> {output name: array}."""
@@ -166,3 +188,28 @@ def inverse_cdf_draw(p, uniforms):
     cdf = np.cumsum(p, axis=-1, dtype=np.float64)
     return np.array([min(np.searchsorted(c, u * c[-1], side="right"), len(c) - 1) for c, u in zip(cdf, uniforms)],
                     dtype=np.int64)
+
+
+# A case's attrs and weights in reference.py's types, for adapters that run on reference.Config (reference,
+# jax). The attrs are named as config.json keys (INTERPRETING.md).
+
+def layer_params(inputs, prefix):
+    """Weights stored under checkpoint names -> the nested dict reference.py layers take."""
+    return R.nested_params({"model." + n[len(prefix):]: a for n, a in inputs.items() if n.startswith(prefix)})
+
+
+def layer_config(attrs, hidden_size, **fields):
+    """A Config carrying the attrs a layer reads; the rest are filler that the layer does not use."""
+    base = dict(model_type="qwen3_5_text", vocab_size=1, hidden_size=hidden_size, num_hidden_layers=1,
+                layer_types=("linear_attention",), num_attention_heads=1, num_key_value_heads=1, head_dim=2,
+                linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
+                linear_conv_kernel_dim=2, rms_norm_eps=1e-6, rope_theta=1.0, partial_rotary_factor=1.0,
+                max_position_embeddings=1, tie_word_embeddings=True, intermediate_size=1)
+    return R.Config(**{**base, **{k: v for k, v in attrs.items() if k in base}, **fields})
+
+
+def moe_config(attrs, hidden_size):
+    """A Config for one MoE layer: the case's router and expert sizes, no dense FFN."""
+    return layer_config(attrs, hidden_size, model_type="qwen3_5_moe_text", intermediate_size=0,
+                        **{k: attrs[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                   "shared_expert_intermediate_size")})

@@ -1,10 +1,10 @@
 """jax_impl (the JAX implementation, on whatever device JAX has) as an engine, in float32; jax_bf16.py runs the same
 adapter with bf16 weights and activations.
 
-Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, rollback), which compile
-once per checkpoint and token count; greedy runs jax_impl.generate, its on-device generation loop. Primitive and layer
-cases call jax_impl.model's functions with the case's weights, transposed to (in, out) by jax_impl.to_jax as the model
-stores them. Every feature is supported.
+Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, commit), which compile
+once per checkpoint and token count; greedy (and the benchmarks' timed_greedy) runs jax_impl.generate, its on-device
+generation loop. Primitive and layer cases call jax_impl.model's functions with the case's weights, transposed to
+(in, out) by jax_impl.to_jax as the model stores them. Every feature is supported.
 """
 
 from functools import partial
@@ -15,9 +15,8 @@ import numpy as np
 
 import jax_impl
 import reference as R
-from conformance.engines import Engine, register_engine
-from conformance.engines.reference import layer_config, layer_params, moe_config, sampling_of, state_tensors
-from conformance.format import FEATURES
+from conformance.engines import Engine, Timed, layer_config, layer_params, moe_config, register_engine
+from conformance.format import FEATURES, state_tensors
 from jax_impl import model as M
 
 # Layers and the delta rule compiled, as the model runs them (primitives run op by op)
@@ -116,10 +115,14 @@ class Jax(Engine):
                 for layer in state.layers]
         return state_tensors(R.State(jax.tree.map(host, live), n))
 
-    def greedy(self, model, prompt, n):
+    def timed_greedy(self, model, prompt, n, draft="none", draft_len=4, rollback="replay"):
+        """jax_impl.generate, its on-device loop (speculative with a drafter), EOS ignored. Compile time is apart:
+        a fresh shape compiles and runs once before the timed run."""
         cfg, params = model
-        tokens, _ = jax_impl.generate(params, R.replace(cfg, eos_token_id=()), list(prompt), n)
-        return np.array(tokens, dtype=np.int64)
+        tokens, stats = jax_impl.generate(params, R.replace(cfg, eos_token_id=()), [int(t) for t in prompt], n,
+                                          draft=draft, draft_len=draft_len, rollback=rollback)
+        seconds = stats["seconds"]
+        return Timed(tokens, seconds["prefill"], seconds["decode"], seconds["compile"], stats)
 
     def run_op(self, kind, inputs, attrs):
         prefix = attrs.get("prefix")
@@ -131,7 +134,7 @@ class Jax(Engine):
         return {name: host(y) for name, y in OPS[kind](arrays, attrs, weights).items()}
 
     def sample(self, logits, sampling, uniforms):
-        p = jax_impl.probabilities(jnp.asarray(logits), sampling_of(sampling))
+        p = jax_impl.probabilities(jnp.asarray(logits), R.sampling_of(sampling))
         return host(p), host(jax.vmap(jax_impl.sample)(p, jnp.asarray(uniforms)))
 
     def copy_state(self, model, state):
@@ -143,10 +146,10 @@ class Jax(Engine):
         return host(logits), (rollback, state, after, kept)
 
     def commit(self, model, pending, n):
-        return jax_impl.rollback(*pending, jnp.int32(n))
+        return jax_impl.commit(*pending, jnp.int32(n))
 
     def accept(self, draft, q, logits, sampling, uniforms):
-        sampling, draft, logits = sampling_of(sampling), jnp.asarray(draft, jnp.int32), jnp.asarray(logits)
+        sampling, draft, logits = R.sampling_of(sampling), jnp.asarray(draft, jnp.int32), jnp.asarray(logits)
         if sampling.temperature == 0:
             accepted, token = jax_impl.accept_greedy(draft, len(draft), logits)
         else:

@@ -3,36 +3,8 @@
 import numpy as np
 
 import reference as R
-from conformance.engines import Engine, register_engine
-from conformance.format import FEATURES
-
-
-def state_tensors(state):
-    """A reference State as the suite names it: state.layers.{i}.{S,conv} (DeltaNet), .{k,v} (attention), state.length."""
-    tensors = {"state.length": np.array([state.length], dtype=np.int64)}
-    for i, layer in enumerate(state.layers):
-        for field, value in layer._asdict().items():
-            tensors[f"state.layers.{i}.{field}"] = value.astype(np.float32)
-    return tensors
-
-
-def sampling_of(settings):
-    return R.Sampling(settings["temperature"], settings["top_k"], settings["top_p"])
-
-
-def layer_params(inputs, prefix):
-    """Weights stored under checkpoint names -> the nested dict reference.py layers take."""
-    return R.nested_params({"model." + n[len(prefix):]: a for n, a in inputs.items() if n.startswith(prefix)})
-
-
-def layer_config(attrs, hidden_size, **fields):
-    """A Config carrying the attrs a layer reads; the rest are filler that the layer does not use."""
-    base = dict(model_type="qwen3_5_text", vocab_size=1, hidden_size=hidden_size, num_hidden_layers=1,
-                layer_types=("linear_attention",), num_attention_heads=1, num_key_value_heads=1, head_dim=2,
-                linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=1, linear_value_head_dim=1,
-                linear_conv_kernel_dim=2, rms_norm_eps=1e-6, rope_theta=1.0, partial_rotary_factor=1.0,
-                max_position_embeddings=1, tie_word_embeddings=True, intermediate_size=1)
-    return R.Config(**{**base, **{k: v for k, v in attrs.items() if k in base}, **fields})
+from conformance.engines import Engine, layer_config, layer_params, moe_config, register_engine
+from conformance.format import FEATURES, state_tensors
 
 
 def deltanet_layer(inputs, attrs):
@@ -52,13 +24,6 @@ def attention_layer(inputs, attrs):
 
 def mlp_layer(inputs, attrs):
     return {"y": R.mlp(inputs["x"], **layer_params(inputs, attrs["prefix"])["mlp"])}
-
-
-def moe_config(attrs, hidden_size):
-    """A Config for one MoE layer: the case's router and expert sizes, no dense FFN."""
-    return layer_config(attrs, hidden_size, model_type="qwen3_5_moe_text", intermediate_size=0,
-                        **{k: attrs[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                                   "shared_expert_intermediate_size")})
 
 
 def moe_layer(inputs, attrs):
@@ -109,7 +74,7 @@ class Reference(Engine):
         return OPS[kind](inputs, attrs)
 
     def sample(self, logits, sampling, uniforms):
-        p = R.probabilities(logits, sampling_of(sampling))
+        p = R.probabilities(logits, R.sampling_of(sampling))
         return p, np.array([R.sample(row, u) for row, u in zip(p, uniforms)], dtype=np.int64)
 
     def verify(self, model, state, tokens, rollback):
@@ -121,7 +86,7 @@ class Reference(Engine):
         return R.commit(verified, n)
 
     def accept(self, draft, q, logits, sampling, uniforms):
-        return R.accept(list(draft), q, logits, sampling_of(sampling), uniforms)
+        return R.accept(list(draft), q, logits, R.sampling_of(sampling), uniforms)
 
     def copy_state(self, model, state):
         return state                    # a reference State is a value: no call ever changes one

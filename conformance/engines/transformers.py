@@ -1,4 +1,5 @@
-"""Hugging Face transformers (torch, CPU, float32, eager attention) as a peer engine.
+"""Hugging Face transformers (torch, CPU, float32, eager attention) as a peer engine. (The benchmarks run the same
+adapter in their dtype, on a GPU when there is one.)
 
 Whole-model cases go through AutoModelForCausalLM and its DynamicCache; primitive and layer cases call the
 transformers functions and modules themselves (torch_chunk_gated_delta_rule, Qwen3_5GatedDeltaNet, ...) with the
@@ -28,7 +29,7 @@ def tensor(a):
 
 
 def array(t):
-    return t.detach().to(torch.float32).numpy().copy()    # a copy: the cache's tensors change in place later
+    return t.detach().to(torch.float32).cpu().numpy().copy()    # a copy: the cache's tensors change in place later
 
 
 def text_config(attrs, hidden_size, layer_type, moe=False):
@@ -148,10 +149,17 @@ class Transformers(Engine):
     features = frozenset(FEATURES) - {"speculative", "rollback:per-position", "rollback:replay", "accept:greedy",
                                       "accept:sampling"}
 
+    def __init__(self, dtype="float32", device="cpu", attention="eager"):
+        """The suite runs the defaults: float32 on the CPU, eager attention. The benchmarks (bench/timing.py) time
+        transformers as it is usually run: in their --dtype, on a GPU when there is one, attention=None (its default
+        implementation)."""
+        self.dtype, self.device, self.attention = dtype, device, attention
+        self.precision = "bf16" if dtype == "bfloat16" else "fp32"
+
     def load(self, checkpoint_dir):
         logging.disable_progress_bar()     # one "Loading weights" bar per checkpoint drowns the runner's progress
-        return AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
-                                                    attn_implementation="eager").eval()
+        return AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=getattr(torch, self.dtype),
+                                                    attn_implementation=self.attention).to(self.device).eval()
 
     @torch.no_grad()
     def prefill(self, model, tokens):
@@ -159,7 +167,7 @@ class Transformers(Engine):
 
     @torch.no_grad()
     def decode(self, model, state, tokens):
-        out = model(input_ids=tensor(tokens)[None], past_key_values=state, use_cache=True)
+        out = model(input_ids=tensor(tokens)[None].to(model.device), past_key_values=state, use_cache=True)
         return array(out.logits[0]), out.past_key_values
 
     def copy_state(self, model, cache):
@@ -181,10 +189,10 @@ class Transformers(Engine):
     @torch.no_grad()
     def greedy(self, model, prompt, n):
         """transformers' own generation loop (greedy search with its cache), EOS ignored."""
-        ids = tensor(prompt)[None]
+        ids = tensor(prompt)[None].to(model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                              min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].numpy().astype(np.int64)
+        return out[0, len(prompt):].cpu().numpy().astype(np.int64)
 
     def run_op(self, kind, inputs, attrs):
         return OPS[kind](inputs, attrs)

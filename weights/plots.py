@@ -1,4 +1,5 @@
-"""matplotlib is an optional extra (`pip install -e ".[plots]"`): the one place that imports it."""
+"""matplotlib is an optional extra (`pip install -e ".[plots]"`): the one place that imports it, for the training
+loss curve (weights/train.py) and the benchmarks' plots (bench/). It sits here, below bench, which uses weights/."""
 
 import sys
 
