@@ -469,6 +469,18 @@ def accept_greedy(draft, logits):  # (K,), (K+1, V) -> (accepted drafts, next to
     return n, int(target[n])
 
 
+def acceptance(p_x, q_x):  # the chance that speculative sampling keeps a draft x: min(1, p(x) / q(x))
+    return min(1.0, p_x / q_x)
+
+
+def residual(p_i, q_i):  # (V,), (V,) -> (V,) unnormalised
+    """What a rejected position's token is drawn from: max(0, p_i - q_i) (sample() normalises). It is all zero only if
+    p_i <= q_i everywhere, i.e. p_i == q_i: then the draft is accepted with probability 1 and only rounding rejects
+    it; p_i is then the right distribution to draw from."""
+    leftover = np.maximum(p_i - q_i, 0)
+    return leftover if leftover.sum() > 0 else p_i
+
+
 def accept_speculative(draft, q, p, u):  # (K,), (K, V), (K+1, V), (K+1,) uniforms -> (accepted drafts, next token)
     """Speculative sampling (Leviathan et al. 2023, Algorithm 1): accept draft x_i with probability
     min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from normalize(max(0, p_i - q_i)); if all K are
@@ -476,12 +488,25 @@ def accept_speculative(draft, q, p, u):  # (K,), (K, V), (K+1, V), (K+1,) unifor
     u[K] draws the final token."""
     K = len(draft)
     for i, x in enumerate(draft):
-        if not u[i] < min(1, p[i, x] / q[i, x]):
-            residual = np.maximum(p[i] - q[i], 0)
-            # all zero only if p_i <= q_i everywhere, i.e. p_i == q_i: then x_i is accepted with probability 1 and
-            # only rounding rejects it; p_i is then the right distribution to draw from
-            return i, sample(residual if residual.sum() > 0 else p[i], u[K])
+        if not u[i] < acceptance(p[i, x], q[i, x]):
+            return i, sample(residual(p[i], q[i]), u[K])
     return K, sample(p[K], u[K])
+
+
+def round_outcomes(kept, draws, bonus):  # (K,) acceptance chances, K draw distributions (V,), (V,) -> (K+1, V)
+    """The exact distribution of a round's outcome when draft i is kept with chance kept[i], the token after the
+    first rejected draft i is drawn from draws[i] and after K accepted drafts from bonus: entry [n, t] is the
+    probability of accepting exactly n drafts and then drawing t. Rows sum to the chance of stopping there."""
+    reach = np.cumprod(np.concatenate([[1.0], kept]))              # the chance of getting to draft i
+    rows = [reach[i] * (1 - a) * d / d.sum() for i, (a, d) in enumerate(zip(kept, draws))]
+    return np.stack(rows + [reach[-1] * bonus / bonus.sum()])
+
+
+def speculative_outcomes(draft, q, p):  # (K,), (K, V), (K+1, V) -> (K+1, V)
+    """accept_speculative's outcome (accepted drafts, next token) over independent uniforms, in closed form (the
+    conformance suite's statistical pack compares engines drawing with their own random numbers against it)."""
+    return round_outcomes([acceptance(p[i, x], q[i, x]) for i, x in enumerate(draft)],
+                          [residual(p[i], q[i]) for i in range(len(draft))], p[len(draft)])
 
 
 def accept(draft, q, logits, sampling, u):  # -> (accepted drafts, the target's next token)
