@@ -20,8 +20,8 @@ import numpy as np
 import reference as R
 from conformance.format import (EXPECTED, INPUTS, MANIFEST, TOLERANCES, Case, Output, case_dirs, checkpoint_dir,
                                 read_tensors, write_case)
-from conformance.golden import (DRAFT_LEN, GREEDY, checkpoint_features, f32, f64, i64, middle_of, model, rng_for,
-                                runner_up, sampled_drafts, sampling_attrs, state_outputs)
+from conformance.golden import (DRAFT_LEN, GREEDY, checkpoint_features, discriminating_rows, f32, f64, i64, model,
+                                rng_for, runner_up, sampled_drafts, sampling_attrs, state_outputs, undiscriminated)
 from conformance.traces import trace_cases
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
@@ -257,8 +257,7 @@ def sampling_cases(N=6, V=272):
         p = R.probabilities(f64(logits), sampling)
         if sampling.temperature == 0:
             assert not any(runner_up(row)[2] for row in logits), f"{name}: argmax within tolerance of a tie"
-        tokens = i64([rng.choice(V, p=row / row.sum()) for row in p])
-        uniforms = f32([middle_of(np.cumsum(row), j) for row, j in zip(p, tokens)])
+        tokens, uniforms = discriminating_rows(logits, sampling, rng)
         assert [R.sample(row, u) for row, u in zip(f32(p), uniforms)] == list(tokens)
         yield Case(name, "sampling", "reference.probabilities, reference.sample",
                    "temperature, then top-k, then top-p; token = first index whose CDF exceeds u * total",
@@ -278,6 +277,8 @@ def spec_case(checkpoint, label, prompt_ids, state, verify_tokens, q, uniforms, 
     else:
         accepted, token = R.accept_speculative(draft, q, R.probabilities(logits, sampling), uniforms)
     assert accepted == expect_accepted, f"{checkpoint} {label}: accepted {accepted}, wanted {expect_accepted}"
+    missed = undiscriminated(draft, q, logits, sampling, uniforms)
+    assert not missed, f"{checkpoint} {label}: the wrong rules {missed} decide this round as the spec does"
     n = accepted + 1
     committed = (R.commit_per_position(state, after, R.keep_per_position(state, tapes), n)
                  if rollback == "per-position" else R.commit_replay(state, after, tapes, n))
@@ -308,8 +309,9 @@ def prefilled(checkpoint, prompt_len=24):
 
 
 def untied_greedy_path(checkpoint, steps):
-    """The first prompt (24 tokens or more) whose next `steps` greedy steps are all clear of ties: (prompt, state after
-    it, its greedy token, the greedy tokens after that, the runner-up token at each step)."""
+    """The first prompt (24 tokens or more) whose next `steps` greedy steps are all clear of ties and whose last two
+    differ (so that a bonus token taken from the wrong row shows): (prompt, state after it, its greedy token, the
+    greedy tokens after that, the runner-up token at each step)."""
     cfg, params = model(checkpoint)
     for prompt_len in range(24, 48):
         prompt_ids, state, last = prefilled(checkpoint, prompt_len)
@@ -321,8 +323,10 @@ def untied_greedy_path(checkpoint, steps):
             path.append(first)
             runners_up.append(second)
         else:
-            return prompt_ids, state, last, path[1:], runners_up
-    raise AssertionError(f"{checkpoint}: every prompt tried has a near-tie in its first {steps} greedy steps")
+            if path[-1] != path[-2]:
+                return prompt_ids, state, last, path[1:], runners_up
+    raise AssertionError(f"{checkpoint}: every prompt tried has a near-tie in its first {steps} greedy steps, or "
+                         "repeats its last token")
 
 
 def spec_greedy_cases(checkpoint, accept_counts):
@@ -337,23 +341,29 @@ def spec_greedy_cases(checkpoint, accept_counts):
 
 
 def spec_sampling_cases(checkpoint, runs):
-    """Drafts and uniforms chosen so that exactly `a` drafts are accepted, each decision with room to spare: an accept
-    has u = ratio / 2, a reject u = (1 + ratio) / 2, the final draw sits mid-interval in its CDF."""
+    """Drafts, q and uniforms chosen so that exactly `a` drafts are accepted, each decision clear of its edge and
+    telling the usual wrong rules from the spec's (golden.sampled_drafts)."""
     cfg, params = model(checkpoint)
     prompt_ids, state, last = prefilled(checkpoint)
-    V = cfg.vocab_size
-    for a, sampling in runs:
+    for a, sampling, shape, zero_p in runs:
+        label = f"sampling-{'' if shape == 'full' else shape + '-'}accept{a}"
         draft, q, uniforms = sampled_drafts(params, cfg, state, last, DRAFT_LEN, a, sampling,
-                                            rng_for(f"spec-sampling-{checkpoint}-{a}"))
+                                            rng_for(f"spec-{label}-{checkpoint}"), shape, zero_p)
         for rollback in R.ROLLBACK_STRATEGIES:
-            yield spec_case(checkpoint, f"sampling-accept{a}", prompt_ids, state, [last] + draft, f32(q),
-                            f32(uniforms), sampling, a, rollback)
+            yield spec_case(checkpoint, label, prompt_ids, state, [last] + draft, q, uniforms, sampling, a, rollback)
+
+
+# Sampled rounds run on tiny-dense, whose logits spread over many tokens (tiny-mtp's put nearly all the mass on one,
+# where every rule draws the same token). q: a draft model's (full), an n-gram's (one-hot), DFlash2's (candidates).
+# The rejection of accept2 drafts a token top-k cut, with u = 0.
+SAMPLED_ROUNDS = [(0, R.Sampling(1.0, 0, 1.0), "full", False), (2, R.Sampling(0.8, 40, 1.0), "full", True),
+                  (4, R.Sampling(0.7, 0, 0.9), "full", False), (1, R.Sampling(0.7, 5, 1.0), "one-hot", False),
+                  (2, R.Sampling(1.0, 0, 1.0), "candidates", False)]
 
 
 def speculative_cases():
     yield from spec_greedy_cases("tiny-mtp", range(DRAFT_LEN + 1))
-    yield from spec_sampling_cases("tiny-mtp", [(0, R.Sampling(1.0, 0, 1.0)), (2, R.Sampling(0.8, 40, 1.0)),
-                                               (4, R.Sampling(0.7, 0, 0.9))])
+    yield from spec_sampling_cases("tiny-dense", SAMPLED_ROUNDS)
     for checkpoint in ("tiny-moe", "tiny-odd", "tiny-multimodal", "default"):
         yield from spec_greedy_cases(checkpoint, [2])
 
