@@ -704,9 +704,23 @@ def mtp_forward(params, cfg, tokens, hidden, state):  # (T,), (T, D) -> logits (
     return out @ params["lm_head"].T, out, State((layer_state,), state.length + len(x))
 
 
+def mtp_chain(params, cfg, state, tokens, hidden, k, pick):  # (n,), (n, D) -> logits (k, V), hidden (k, D), State
+    """The MTP head as a drafter: over the newly verified pairs (the target's final-normed hidden state at each kept
+    position and the token after it), then chained k - 1 times on its own output hidden state and the token
+    pick(logits) takes from the previous depth's logits. -> each depth's logits and output hidden state, and the
+    head's state after the new pairs only (the chain's KV is dropped: the next round's pairs replace it)."""
+    logits, h, state = mtp_forward(params, cfg, tokens, hidden, state)
+    committed, depth_logits, depth_hidden = state, [logits[-1]], [h[-1]]
+    for _ in range(k - 1):
+        logits, h, state = mtp_forward(params, cfg, [pick(depth_logits[-1])], h[-1:], state)
+        depth_logits.append(logits[-1])
+        depth_hidden.append(h[-1])
+    return np.stack(depth_logits), np.stack(depth_hidden), committed
+
+
 def mtp_drafter(params, cfg):
     """Catch the MTP head up on the newly verified positions, then chain it K times, feeding its own output hidden
-    state and drafted token (its KV for the chained steps is dropped; the state kept covers committed pairs)."""
+    state and drafted token (mtp_chain)."""
     if params["mtp"] is None:
         raise UserError("the MTP drafter needs mtp.* weights, which the checkpoint does not have")
     if cfg.mtp_num_hidden_layers > 1:
@@ -714,17 +728,17 @@ def mtp_drafter(params, cfg):
                         f"{cfg.mtp_num_hidden_layers}")
 
     def propose(draft_state, context, new_hidden, k, sampling, rng):
-        start = draft_state.length                # MTP pairs exist for positions [0, start)
-        logits, h, state = mtp_forward(params, cfg, context[start + 1:start + 1 + len(new_hidden)], new_hidden,
-                                       draft_state)
-        committed = state
+        start, drawn = draft_state.length, []     # MTP pairs exist for positions [0, start)
 
-        def step(token):
-            nonlocal h, state
-            logits, h, state = mtp_forward(params, cfg, [token], h[-1:], state)
-            return logits[-1]
-        tokens, q = draft_chain(logits[-1], step, k, sampling, rng)
-        return tokens, q, committed
+        def pick(logits):
+            drawn.append(draw(logits, sampling, rng))
+            return drawn[-1][0]
+        depth_logits, _, committed = mtp_chain(params, cfg, draft_state, context[start + 1:start + 1 + len(new_hidden)],
+                                               new_hidden, k, pick)
+        if k:
+            pick(depth_logits[-1])                # the last draft, drawn from the deepest logits, is not fed back
+        q = np.stack([p for _, p in drawn]) if drawn else np.zeros((0, cfg.vocab_size), np.float32)
+        return [token for token, _ in drawn], q, committed
     Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
     empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
     return Drafter("mtp", State((empty,), 0), propose)

@@ -1,4 +1,4 @@
-"""Command line: generate, list, run (see conformance/__init__.py)."""
+"""Command line: generate, list, run, sample (see conformance/__init__.py)."""
 
 import argparse
 import sys
@@ -22,6 +22,14 @@ def main(argv=None):
     run.add_argument("--cases", metavar="REGEX", help="only case names matching this regular expression")
     run.add_argument("--report", type=Path, metavar="PATH.json", help="write the results as JSON")
     run.add_argument("--dir", type=Path, default=CASES_DIR, help="cases folder (default: conformance/cases)")
+    sample = sub.add_parser("sample", help="the statistical pack: the engine draws with its own random numbers, and a "
+                            "chi-square test compares the counts with the exact distribution")
+    sample.add_argument("--engine", required=True, help="an adapter with the draws / accept:draws features")
+    sample.add_argument("--cases", metavar="REGEX", help="only case names matching this regular expression")
+    sample.add_argument("--report", type=Path, metavar="PATH.json", help="write the results as JSON")
+    sample.add_argument("--dir", type=Path, default=CASES_DIR, help="cases folder (default: conformance/cases)")
+    sample.add_argument("--seed", type=int, default=0, help="seeds the engine's draws, one stream per case "
+                        "(default 0); each case fails a correct engine with the false-alarm rate its manifest states")
     args = ap.parse_args(argv)
     try:
         if args.command == "generate" and args.check:
@@ -40,7 +48,8 @@ def main(argv=None):
                     print(f"{meta['name']:<52} {meta['kind']:<16} {' '.join(meta['features'])}")
         else:
             from conformance.runner import run as run_cases
-            return run_cases(args.engine, args.cases, args.report, args.dir)[1]
+            return run_cases(args.engine, args.cases, args.report, args.dir, statistical=args.command == "sample",
+                             seed=getattr(args, "seed", 0))[1]
     except (GoldenError, UnknownEngine) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

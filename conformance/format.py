@@ -59,6 +59,12 @@ FEATURES = {
     "rollback:replay": "commit by replaying the kept steps from the pre-verify state",
     "accept:greedy": "accept the longest draft prefix equal to the target argmax",
     "accept:sampling": "speculative sampling (Leviathan et al.) with given uniforms",
+    # the MTP head as a drafter (Engine.mtp_hidden, mtp_draft; INTERPRETING.md section 4)
+    "mtp": "the target's final-normed hidden states for the MTP head; the head over (hidden, next token) pairs with "
+           "its own KV cache, chained on its own output hidden state",
+    # the statistical pack: draws with the engine's own random numbers (Engine.draw, accept_draws; `sample` mode)
+    "draws": "draw tokens from given logits many times with the engine's own random numbers",
+    "accept:draws": "speculative sampling of given drafts many times with the engine's own random numbers",
     # serving traces (Engine.run_trace: batches of steps on named requests; INTERPRETING.md section 4)
     "trace": "run a serving trace: prefill and verify rows of several requests per batch, releases",
     "snapshot": "copy a request's committed state as a prefix-cache entry and start new requests from it",
@@ -89,6 +95,7 @@ class Output(NamedTuple):
     value: np.ndarray
     requires: str | None = None  # a feature without which this output is not compared (e.g. state_export)
     ties: dict | None = None     # greedy tokens: {step: [token, other token]} where the top-2 logits are within tolerance
+    test: dict | None = None     # draws: the chi-square test (draws.py); its "bins" array is stored as <name>.bins
 
 
 class Case(NamedTuple):
@@ -165,6 +172,8 @@ def manifest(case, file_digests):
             entry["requires"] = out.requires
         if out.ties:
             entry["ties"] = {str(step): tokens for step, tokens in sorted(out.ties.items())}
+        if out.test:
+            entry["test"] = {**out.test, "bins": f"{name}.bins"}
         outputs[name] = entry
     checkpoint = None if case.checkpoint is None else {
         "name": case.checkpoint, "path": f"weights/{case.checkpoint}", "sha256": checkpoint_sha256(case.checkpoint)}
@@ -186,7 +195,9 @@ def write_case(cases_dir, case):
     folder = Path(cases_dir) / case.name
     folder.mkdir(parents=True)
     digests = {}
-    for file, tensors in ((INPUTS, case.inputs), (EXPECTED, {n: o.value for n, o in case.outputs.items()})):
+    expected = {n: o.value for n, o in case.outputs.items()}
+    expected.update({f"{n}.bins": o.test["bins"] for n, o in case.outputs.items() if o.test})
+    for file, tensors in ((INPUTS, case.inputs), (EXPECTED, expected)):
         data = safetensors.numpy.save({n: stored(a) for n, a in tensors.items()})
         (folder / file).write_bytes(data)
         digests[file] = hashlib.sha256(data).hexdigest()

@@ -22,6 +22,7 @@ from conformance.format import (EXPECTED, INPUTS, MANIFEST, TOLERANCES, Case, Ou
                                 read_tensors, write_case)
 from conformance.golden import (DRAFT_LEN, GREEDY, checkpoint_features, discriminating_rows, f32, f64, i64, model,
                                 rng_for, runner_up, sampled_drafts, sampling_attrs, state_outputs, undiscriminated)
+from conformance.draws import draws_cases
 from conformance.traces import trace_cases
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
@@ -368,6 +369,51 @@ def speculative_cases():
         yield from spec_greedy_cases(checkpoint, [2])
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The MTP head as a drafter, round after round.
+
+MTP_KEEPS = (3, 1, DRAFT_LEN + 1, 2)       # verified positions kept in the rounds after the prompt's
+
+
+def mtp_case(checkpoint, prompt_len=20):
+    """Rounds of drafting with the checkpoint's MTP head. Round 0: the target prefills the prompt; the head takes the
+    pairs (final-normed hidden state of position i, token i + 1), the last pairing the target's next token, and is
+    chained K - 1 times on its own output hidden state and its greedy drafts. Each later round: the target consumes
+    the last token and the first n - 1 drafts (n verified positions kept), and the head takes their n pairs, its
+    cache keeping the committed pairs only."""
+    cfg, params = model(checkpoint)
+    state, mtp_state = R.empty_state(cfg), R.mtp_drafter(params, cfg).initial_state
+    tokens, inputs, outputs = list(prompt(checkpoint, prompt_len)), {}, {}
+    for r, keep in enumerate((None,) + MTP_KEEPS):
+        if keep:
+            tokens = [tokens_next[-1]] + drafts[:keep - 1]
+        logits, hidden, state, _ = R.forward(params, cfg, tokens, state)
+        tokens_next, drafts = tokens[1:] + [int(np.argmax(logits[-1]))], []
+
+        def greedy(depth_logits):
+            drafts.append(int(np.argmax(depth_logits)))
+            return drafts[-1]
+        draft_logits, draft_hidden, mtp_state = R.mtp_chain(params, cfg, mtp_state, tokens_next, hidden, DRAFT_LEN,
+                                                            greedy)
+        greedy(draft_logits[-1])
+        inputs.update({f"r{r}.tokens": i64(tokens), f"r{r}.next": i64(tokens_next), f"r{r}.hidden": hidden,
+                       f"r{r}.chain": i64(drafts[:-1])})
+        outputs.update({f"r{r}.target_hidden": Output("hidden", hidden),
+                        f"r{r}.draft_logits": Output("logits", draft_logits),
+                        f"r{r}.draft_hidden": Output("hidden", draft_hidden),
+                        **{f"r{r}.mtp_{n}": o for n, o in state_outputs(mtp_state).items()}})
+    return Case(f"mtp-{checkpoint}", "mtp", "reference.forward (hidden), reference.mtp_chain",
+                f"the MTP head drafting {DRAFT_LEN} tokens a round after a {prompt_len}-token prompt, then after "
+                f"rounds keeping {', '.join(map(str, MTP_KEEPS))} verified positions: its input hidden states, logits "
+                "and output hidden states at every depth, its cache", ("prefill", "extend", "mtp")
+                + checkpoint_features(checkpoint), {"rounds": len(MTP_KEEPS) + 1}, inputs, outputs, checkpoint)
+
+
+def mtp_cases():
+    for checkpoint in ("default", "tiny-mtp", "tiny-moe-per-expert-mtp"):
+        yield mtp_case(checkpoint)
+
+
 def all_cases():
     yield from primitive_cases()
     yield from gated_delta_rule_cases()
@@ -375,7 +421,9 @@ def all_cases():
     yield from model_cases()
     yield from sampling_cases()
     yield from speculative_cases()
+    yield from mtp_cases()
     yield from trace_cases()
+    yield from draws_cases()
 
 
 def generate(out_dir, progress=None, cases=None):

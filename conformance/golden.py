@@ -108,14 +108,13 @@ def draw_choices(dist, rng):
     return rng.choice(ok, size=len(ok), replace=False, p=share[ok] / share[ok].sum()) if len(ok) else ok
 
 
-def discriminating_draw(r, uniforms, outcome_of, dist, rng):
-    """The last uniform: in the middle of the interval of a token of dist, chosen so that every wrong rule that
-    applies decides the round otherwise (rules.undiscriminated, on the float32 inputs an engine gets). r: the round
-    as rules.Round; outcome_of(token) -> (accepted, token). -> the uniforms with it, or None."""
-    cdf, spec = np.cumsum(dist), rules.decider(rules.SPEC, r)
-    missed = rules.undiscriminated_by(r, outcome_of(0)[0])
+def discriminating_draw(r, uniforms, accepted, dist, rng):
+    """The last uniform of a round (rules.Round) that accepts `accepted` drafts: in the middle of the interval of a
+    token of dist, one with which the spec draws that token and every wrong rule that applies decides the round
+    otherwise (rules.undiscriminated, on the float32 inputs an engine gets). -> all the uniforms, or None."""
+    cdf, spec, missed = np.cumsum(dist), rules.decider(rules.SPEC, r), rules.undiscriminated_by(r, accepted)
     for j in draw_choices(dist, rng)[:DRAWS]:
-        u, outcome = f32(list(uniforms) + [middle_of(cdf, j)]), outcome_of(int(j))
+        u, outcome = f32(list(uniforms) + [middle_of(cdf, j)]), (accepted, int(j))
         if spec(u) == outcome and not missed(u, outcome):
             return u
     return None
@@ -134,7 +133,7 @@ def discriminating_rows(logits, sampling, rng):
     p = R.probabilities(f64(logits), sampling)
     tokens, uniforms = [], []
     for row, dist in zip(f32(logits), p):
-        u = discriminating_draw(rules.Round([], None, row[None], sampling), [], lambda j: (0, j), dist, rng)
+        u = discriminating_draw(rules.Round([], None, row[None], sampling), [], 0, dist, rng)
         if u is None:
             raise Redraw(f"no token of this row tells every wrong rule apart ({sampling})")
         tokens.append(R.sample(dist, u[0]))
@@ -195,6 +194,7 @@ def sampled_drafts(params, cfg, state, last, k, accept, sampling, rng, shape="fu
     MIN_SHARE wide with the uniform in its middle) and every wrong rule that applies deciding otherwise. shape: the
     drafter's q (Q_SHAPES); zero_p: whether the rejected draft is one the target's top-k / top-p cut, with u = 0
     (None: at random, where the sampling truncates). -> (drafts, q (k, V), uniforms (k+1,))"""
+    assert shape in Q_SHAPES, shape
     truncates = sampling.top_k > 0 or sampling.top_p < 1
     for _ in range(DESIGNS):
         zero = truncates and accept < k and (rng.random() < 0.5 if zero_p is None else zero_p)
@@ -213,8 +213,7 @@ def sampled_drafts(params, cfg, state, last, k, accept, sampling, rng, shape="fu
             logits = R.forward(params, cfg, [last] + drafts, state)[0]
             p = R.probabilities(logits, sampling)
             dist = R.residual(p[accept], q[accept]) if accept < k else p[accept]
-            u = discriminating_draw(rules.Round(drafts, q, f32(logits), sampling), uniforms,
-                                    lambda j: (accept, j), dist, rng)
+            u = discriminating_draw(rules.Round(drafts, q, f32(logits), sampling), uniforms, accept, dist, rng)
             if u is not None:
                 return drafts, q, u
     raise Redraw(f"no design of {k} drafts accepting {accept} tells every wrong rule apart ({sampling}, q {shape})")

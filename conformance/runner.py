@@ -6,6 +6,7 @@ import json
 import re
 import sys
 import traceback
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,6 +14,7 @@ import numpy as np
 import safetensors.numpy
 
 import reference as R
+from conformance.draws import bin_totals, chi_square
 from conformance.engines import get_engine
 from conformance.format import (CASES_DIR, EXPECTED, FEATURES, HERE, INPUTS, PRECISIONS, ROOT, SUITE_VERSION,
                                 case_dirs, read_manifest, read_tensors, trace_batches)
@@ -100,8 +102,55 @@ def drive_trace(engine, meta, inputs, expected, model):
     return actual
 
 
+def drive_mtp(engine, meta, inputs, expected, model):
+    """Rounds of the MTP head as a drafter (INTERPRETING.md section 4): the target consumes each round's tokens (its
+    hidden states are compared); the head, fed the round's given hidden states and next tokens, drafts on the given
+    chain. Outputs named r<round>.<output>."""
+    state = mtp_state = None
+    actual = {}
+    for r in range(meta["attrs"]["rounds"]):
+        def named(name):
+            return f"r{r}.{name}"
+        actual[named("target_hidden")], state = engine.mtp_hidden(model, state, inputs[named("tokens")])
+        logits, hidden, mtp_state = engine.mtp_draft(model, mtp_state, inputs[named("next")], inputs[named("hidden")],
+                                                     inputs[named("chain")])
+        actual.update({named("draft_logits"): logits, named("draft_hidden"): hidden})
+        if "state_export" in engine.features:
+            actual.update({named(f"mtp_{n}"): v for n, v in engine.export_mtp_state(model, mtp_state).items()})
+    return actual
+
+
+def drive_sampling_draws(engine, meta, inputs, expected, model):
+    """The statistical pack: n tokens drawn from each row with the engine's own random numbers -> their counts."""
+    logits, n = inputs["logits"], meta["attrs"]["draws"]
+    tokens = np.asarray(engine.draw(logits, sampling_settings(meta["attrs"]), n, meta["seed"]))
+    if tokens.shape != (len(logits), n) or tokens.dtype.kind not in "iu" or not (
+            (0 <= tokens) & (tokens < logits.shape[-1])).all():
+        raise ValueError(f"draw returned {tokens.dtype}{list(tokens.shape)} (min {tokens.min(initial=0)}, max "
+                         f"{tokens.max(initial=0)}); expected ids in [0, {logits.shape[-1]}), shape {[len(logits), n]}")
+    return {"outcomes": np.stack([np.bincount(row, minlength=logits.shape[-1]) for row in tokens])}
+
+
+def drive_speculative_draws(engine, meta, inputs, expected, model):
+    """The statistical pack: n rounds of speculative sampling of the same drafts with the engine's own random numbers
+    -> counts of (drafts accepted, next token)."""
+    logits, drafts, n = inputs["verify_logits"], inputs["drafts"], meta["attrs"]["draws"]
+    accepted, tokens = (np.asarray(a) for a in engine.accept_draws(drafts, inputs["q"], logits,
+                                                                   sampling_settings(meta["attrs"]), n, meta["seed"]))
+    shape = (len(drafts) + 1, logits.shape[-1])
+    if accepted.shape != (n,) or tokens.shape != (n,) or not ((0 <= accepted) & (accepted < shape[0])).all() or not (
+            (0 <= tokens) & (tokens < shape[1])).all():
+        raise ValueError(f"accept_draws returned accepted {list(accepted.shape)}, tokens {list(tokens.shape)} outside "
+                         f"[0, {shape[0]}) x [0, {shape[1]}), or not {n} of each")
+    counts = np.zeros(shape, np.int64)
+    np.add.at(counts, (accepted.astype(np.int64), tokens.astype(np.int64)), 1)
+    return {"outcomes": counts}
+
+
 DRIVERS = {"forward": drive_forward, "greedy": drive_greedy, "sampling": drive_sampling,
-           "speculative": drive_speculative, "trace": drive_trace}
+           "speculative": drive_speculative, "trace": drive_trace, "mtp": drive_mtp,
+           "sampling_draws": drive_sampling_draws, "speculative_draws": drive_speculative_draws}
+STATISTICAL = ("sampling_draws", "speculative_draws")      # the cases of `sample` mode, which `run` leaves out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -126,12 +175,37 @@ def compare_tokens(actual, expected, ties):
     return Comparison(True, None, None, ())
 
 
-def compare(spec, actual, expected):
+def compare_draws(spec, counts, P, bins, draws):
+    """Pearson's chi-square test of the engine's counts against the exact distribution, as the case fixes it."""
+    test = spec["test"]
+    statistic, impossible = chi_square(counts, P, bins, draws)
+    verdict = (f"chi-square {statistic:.1f} on {test['degrees_of_freedom']} degrees of freedom, "
+               f"{'over' if statistic > test['critical'] else 'within'} {test['critical']:.1f} (false-alarm rate "
+               f"{spec['alpha']:g})")
+    lines = [verdict]
+    if impossible:
+        where = [", ".join(f"{axis} {i}" for axis, i in zip(test["axes"], index))
+                 for index in zip(*np.nonzero((counts > 0) & (bins < 0)))]
+        lines.append(f"{impossible} draws of outcomes with no chance: {'; '.join(where[:SHOWN_MISMATCHES])}")
+    expected, observed = bin_totals(draws * P.astype(np.float64), bins), bin_totals(counts.astype(np.float64), bins)
+    shown = SHOWN_MISMATCHES if statistic > test["critical"] else 0
+    for b in np.argsort(-(observed - expected) ** 2 / expected)[:shown]:
+        members = list(zip(*np.nonzero(bins == b)))
+        what = ", ".join(f"{axis} {i}" for axis, i in zip(test["axes"], members[0])) if len(members) == 1 else \
+            f"{len(members)} outcomes pooled"
+        lines.append(f"  {what}: expected {expected[b]:.1f}, drawn {observed[b]:.0f}")
+    return Comparison(statistic <= test["critical"] and not impossible, None, None, tuple(lines))
+
+
+def compare(spec, actual, expected, others=None, attrs=None):
+    """One output against its golden; `others` (the case's expected tensors) and `attrs` for a chi-square test."""
     if actual is None:
         return Comparison(False, None, None, ("the engine did not return this output",))
     actual = np.asarray(actual)
     if actual.shape != expected.shape:
         return Comparison(False, None, None, (f"shape {actual.shape}, expected {expected.shape}",))
+    if spec["tolerance"] == "draws":
+        return compare_draws(spec, actual, expected, others[spec["test"]["bins"]], attrs["draws"])
     if spec["tolerance"] in ("exact", "decision"):
         return compare_tokens(actual, expected, spec.get("ties", {}))
     err = np.abs(actual.astype(np.float64) - expected)
@@ -199,7 +273,8 @@ def run_case(engine, folder, meta, unsupported, known_failures, load_model):
     try:
         model = load_model(meta["checkpoint"]) if meta["checkpoint"] else None
         actual = DRIVERS.get(meta["kind"], drive_op)(engine, meta, inputs, expected, model)
-        compared = {out: compare(spec, actual.get(out), expected[out]) for out, spec in specs.items()
+        compared = {out: compare(spec, actual.get(out), expected[out], expected, meta["attrs"])
+                    for out, spec in specs.items()
                     if spec.get("requires") in (None, *engine.features) and out not in uncompared}
     except Exception as e:  # an adapter or engine crash is a result of the case, not of the run
         status, compared = "ERROR", {}
@@ -263,16 +338,23 @@ def runs_of(meta):
              "attrs": {**meta["attrs"], "rollback": strategy}} for strategy in R.ROLLBACK_STRATEGIES]
 
 
-def select_cases(cases_dir, pattern):
-    """(folder, manifest) of each run of the cases whose name matches the regular expression (runs_of); any
-    unusable golden stops the run."""
+def select_cases(cases_dir, pattern, statistical=False):
+    """(folder, manifest) of each run of the cases whose name matches the regular expression (runs_of): the
+    statistical pack's (STATISTICAL kinds) or the others; any unusable golden stops the run."""
     return [(folder, run) for folder in case_dirs(cases_dir) if not pattern or re.search(pattern, folder.name)
-            for run in runs_of(read_manifest(folder))]
+            for run in runs_of(read_manifest(folder)) if (run["kind"] in STATISTICAL) == statistical]
 
 
-def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None):
+def seeded(meta, seed):
+    """A statistical case with the seed its engine draws with: one stream per case and run seed."""
+    return {**meta, "seed": zlib.crc32(f"{meta['name']}#{seed}".encode())}
+
+
+def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None,
+        statistical=False, seed=0):
     """Returns (results, exit code): 1 when any result is unexpected. `expectations` defaults to the engine's file;
-    the table goes to `out` (stdout), progress lines to `progress` (stderr)."""
+    the table goes to `out` (stdout), progress lines to `progress` (stderr). statistical: run the statistical pack
+    (`sample` mode), its engine seeded from `seed`, instead of the other cases."""
     out, progress = out or sys.stdout, progress or sys.stderr
     engine = get_engine(engine_name)
     expectations = load_expectations(engine_name) if expectations is None else expectations
@@ -283,7 +365,8 @@ def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectation
     if engine.precision not in PRECISIONS:
         raise ValueError(f"engine {engine_name}: precision {engine.precision!r}, expected one of "
                          f"{', '.join(PRECISIONS)}")
-    cases = select_cases(cases_dir, pattern)
+    cases = [(folder, seeded(meta, seed) if statistical else meta)
+             for folder, meta in select_cases(cases_dir, pattern, statistical)]
     models = {}
 
     def load_model(checkpoint):
@@ -303,6 +386,7 @@ def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectation
     if report:
         Path(report).write_text(json.dumps({
             "suite_version": SUITE_VERSION, "engine": engine_name, "precision": engine.precision,
+            "mode": "sample" if statistical else "run", **({"seed": seed} if statistical else {}),
             "features": sorted(engine.features),
             "summary": {**counts, "unexpected": unexpected},
             "cases": [{"name": r.name, "status": r.status, "unexpected": r.unexpected, "note": r.note,

@@ -177,11 +177,16 @@ def mtp_propose(params, cfg, draft_state, buf, ntok, K, sampling, key):
     def step(carry, key):
         h, state = carry
         token, q = draw(lm_head(params, h), sampling, key)
-        out, state = mtp_hidden(params, cfg, token[None], h[None], state)
-        return (out[0], state), (token, q)
+        return mtp_step(params, cfg, token, h, state), (token, q)
     state, h = draft_state
     _, (drafts, q) = lax.scan(step, (h, state), jax.random.split(key, K), unroll=True)
     return drafts, q, K
+
+
+def mtp_step(params, cfg, token, h, state):  # (), (D,) -> the head's output hidden (D,), State
+    """One step of the chain: the head fed its own output hidden state and the token drafted from it."""
+    out, state = mtp_hidden(params, cfg, token[None], h[None], state)
+    return out[0], state
 
 
 def mtp_update(params, cfg, draft_state, new, hidden, n):

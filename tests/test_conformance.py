@@ -19,7 +19,8 @@ def test_reference_passes_its_own_goldens(capsys):
     results, code, _ = run_quietly("reference", capsys)
     assert code == 0
     assert {r.status for r in results.values()} == {"PASS"}
-    assert {name.split("@")[0] for name in results} == {folder.name for folder in case_dirs()}
+    assert {name.split("@")[0] for name in results} == {folder.name for folder in case_dirs()
+                                                        if read_manifest(folder)["kind"] not in runner.STATISTICAL}
     assert {name.split("@")[1] for name in results if "@" in name} == set(R.ROLLBACK_STRATEGIES)
 
 
@@ -29,13 +30,18 @@ def test_transformers_has_no_unexpected_result(capsys, tmp_path):
     assert not [r for r in results.values() if r.unexpected]
     skipped = {name for name, r in results.items() if r.status == "SKIP"}
     speculative = {name for name in results if name.startswith("spec-") or name.startswith("trace-") and "@" in name}
-    assert skipped == speculative
-    assert all("cannot roll back a Gated DeltaNet state" in results[n].note for n in skipped)
+    mtp = {name for name in results if name.startswith("mtp-")}
+    assert skipped == speculative | mtp and mtp
+    assert all("cannot roll back a Gated DeltaNet state" in results[n].note for n in speculative)
+    assert all("no Qwen3.5 MTP head" in results[n].note for n in mtp)
     # the traces without drafts (prefill, plain decoding rows, prefix-cache copies, slot reuse) run and pass
     plain = {name for name in results if name.startswith("trace-plain-decoding-")}
     assert len(plain) == 4 and {results[n].status for n in plain} == {"PASS"}
     assert results["sampling-topp0.5-ties"].status == "FAIL"
     assert "spec-tiny-mtp-greedy-accept2-replay" in (tmp_path / "report.json").read_text()
+    # its draws (torch.multinomial over its warped probabilities) pass the statistical pack's plain cases
+    results, code, out = run_quietly("transformers", capsys, statistical=True)
+    assert code == 0 and {r.status for n, r in results.items() if n.startswith("draws-sampling-")} == {"PASS"}, out
 
 
 @register_engine("test_minimal")
@@ -166,3 +172,67 @@ def test_compare_reports_the_first_mismatches_side_by_side():
     assert not result.ok and result.max_abs == 0.5
     assert "[1, 2]" in result.lines[1] and "actual  0.5" in result.lines[1]
     assert not runner.compare(spec, np.full((2, 3), np.nan, np.float32), expected).ok
+
+
+# --- The MTP head ------------------------------------------------------------------------------------------------
+
+def pre_norm_hidden(params, cfg, tokens, state):
+    """reference.forward without its final norm: the residual stream that ik_llama.cpp#1815 and LightLLM#1402 fed the
+    MTP head."""
+    x, positions, layers = params["embed_tokens"][np.asarray(tokens)], state.length + np.arange(len(tokens)), []
+    for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
+        x, layer_state, _ = R.decoder_layer(x, kind, layer, layer_state, positions, cfg)
+        layers.append(layer_state)
+    return x, R.State(tuple(layers), state.length + len(tokens))
+
+
+@register_engine("test_mtp_pre_norm")
+class MtpPreNorm(Reference):
+    def mtp_hidden(self, model, state, tokens):
+        cfg, params = model
+        return pre_norm_hidden(params, cfg, tokens, R.empty_state(cfg) if state is None else state)
+
+
+@register_engine("test_mtp_last_pair_only")
+class MtpLastPairOnly(Reference):
+    """The prompt's pairs never reach the head's cache, only each round's last one (ik_llama.cpp#1987)."""
+
+    def mtp_draft(self, model, mtp_state, tokens, hidden, chain):
+        return super().mtp_draft(model, mtp_state, tokens[-1:], hidden[-1:], chain)
+
+
+@register_engine("test_mtp_chain_kept")
+class MtpChainKept(Reference):
+    """The chain's cache entries stay in the head's cache after the round."""
+
+    def mtp_draft(self, model, mtp_state, tokens, hidden, chain):
+        cfg, params = model
+        logits, depth_hidden, state = super().mtp_draft(model, mtp_state, tokens, hidden, chain)
+        for token, h in zip(chain, depth_hidden):
+            state = R.mtp_forward(params, cfg, [token], h[None], state)[2]
+        return logits, depth_hidden, state
+
+
+@register_engine("test_mtp_fed_target_hidden")
+class MtpFedTargetHidden(Reference):
+    """The chain fed the target's last hidden state at every depth instead of the head's own output."""
+
+    def mtp_draft(self, model, mtp_state, tokens, hidden, chain):
+        cfg, params = model
+        logits, depth_hidden, committed = super().mtp_draft(model, mtp_state, tokens, hidden, [])
+        state, rows, outs = committed, [logits[0]], [depth_hidden[0]]
+        for token in chain:
+            row, h, state = R.mtp_forward(params, cfg, [token], hidden[-1:], state)
+            rows.append(row[0])
+            outs.append(h[0])
+        return np.stack(rows), np.stack(outs), committed
+
+
+@pytest.mark.parametrize("engine, failing", [
+    ("test_mtp_pre_norm", "target_hidden"), ("test_mtp_last_pair_only", "r0.draft_logits"),
+    ("test_mtp_chain_kept", "r0.mtp_state.layers.0.k"), ("test_mtp_fed_target_hidden", "r0.draft_hidden")])
+def test_mtp_cases_catch_the_heads_usual_mistakes(engine, failing, capsys):
+    """Each mistake costs acceptance without a wrong token; the mtp cases fail it, on every checkpoint with a head."""
+    results, code, out = run_quietly(engine, capsys, pattern="^mtp-", expectations={})
+    assert code == 1 and len(results) == 3 and {r.status for r in results.values()} == {"FAIL"}, out
+    assert all(any(failing in line for line in r.details) for r in results.values()), out

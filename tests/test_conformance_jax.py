@@ -10,6 +10,9 @@ def test_jax_passes_every_case(capsys):
     results, code, out = run_quietly("jax", capsys)
     assert code == 0, out
     assert {r.status for r in results.values()} == {"PASS"}
+    # and the statistical pack, drawing with jax.random as its generate loop does
+    results, code, out = run_quietly("jax", capsys, statistical=True)
+    assert code == 0 and {r.status for r in results.values()} == {"PASS"}, out
 
 
 def uncompared_in_bf16(meta):

@@ -30,3 +30,18 @@ def test_the_mrope_section_written_for_llama_cpp_has_qwen35s_layout():
     """For the real model's 32 rotary pairs the section the adapter writes is Qwen3.5's own [11, 11, 10]."""
     config = {"head_dim": 256, "rope_parameters": {"partial_rotary_factor": 0.25}}
     assert with_mrope_section(config)["rope_parameters"]["mrope_section"] == [11, 11, 10]
+
+
+def test_llama_cpp_in_the_statistical_pack(capsys):
+    """llama.cpp drawing with its own generator: its sampler order (temperature last) and its acceptance (q never
+    read) are flagged; where they coincide with the spec (top-k only, a one-hot q) it passes."""
+    results, code, out = run_quietly("llama_cpp", capsys, statistical=True)
+    assert code == 0, out
+    assert {n for n, r in results.items() if r.status == "PASS"} == {"draws-sampling-t0.6-topk20",
+                                                                      "draws-spec-one-hot-q"}
+
+
+def test_mlx_in_the_statistical_pack(capsys):
+    results, code, out = run_quietly("mlx", capsys, statistical=True)
+    assert code == 0, out
+    assert results["draws-sampling-t0.6-topk20"].status == "PASS"

@@ -77,6 +77,8 @@ class Engine:
         accept:greedy, accept:sampling   accept
         trace                            (the default run_trace drives the methods above, one step at a time)
         snapshot                         copy_state
+        mtp                              mtp_hidden, mtp_draft (export_mtp_state with state_export)
+        draws, accept:draws              draw, accept_draws (the statistical pack: `python -m conformance sample`)
     """
     name = "?"
     features = frozenset()
@@ -135,6 +137,33 @@ class Engine:
         """Drafts (K,), draft distributions q (K, V) or None, verify logits (K+1, V), uniforms (K+1,) or None ->
         (number of accepted drafts, the target's next token)."""
         raise NotImplementedError
+
+    def draw(self, logits, sampling, n, seed):
+        """Logits (N, V) -> int64 (N, n): n tokens drawn from each row with the engine's own random numbers, as it
+        samples when it generates (seeded with `seed` where the engine takes a seed)."""
+        raise NotImplementedError
+
+    def accept_draws(self, draft, q, logits, sampling, n, seed):
+        """n independent rounds of the engine's speculative acceptance of the same drafts (K,), draft distributions
+        q (K, V) and verify logits (K+1, V), with its own random numbers -> (accepted drafts (n,), next tokens (n,))."""
+        raise NotImplementedError
+
+    def mtp_hidden(self, model, state, tokens):
+        """Continue the target (state None: from empty) with token ids (T,) -> (the hidden states (T, D) the engine
+        feeds its MTP head for these positions, new state). May consume `state`."""
+        raise NotImplementedError
+
+    def mtp_draft(self, model, mtp_state, tokens, hidden, chain):
+        """The MTP head as a drafter (mtp_state None: an empty cache). First over the new pairs (hidden (n, D), the
+        target's hidden state at each kept position; tokens (n,), the token after it), then chained len(chain) times,
+        each depth fed the head's own output hidden state of the previous depth and the next token of `chain` ->
+        (logits (len(chain) + 1, V) and output hidden states (len(chain) + 1, D) at depths 1, 2, ..., the head's
+        state after the new pairs only: the chain's entries dropped). Must not change `mtp_state`."""
+        raise NotImplementedError
+
+    def export_mtp_state(self, model, mtp_state):
+        """The MTP head's state as arrays named as a state is (state.layers.0.k, .v, state.length)."""
+        return self.export_state(model, mtp_state)
 
     def copy_state(self, model, state):
         """A copy of `state` that later calls cannot change: a prefix-cache entry that new requests start from."""

@@ -17,12 +17,14 @@ import jax_impl
 import reference as R
 from conformance.engines import Engine, Timed, layer_config, layer_params, moe_config, register_engine
 from conformance.format import FEATURES, state_tensors
-from jax_impl import model as M
+from jax_impl import model as M, spec_decode
 
 # Layers and the delta rule compiled, as the model runs them (primitives run op by op)
 jit = partial(jax.jit, static_argnames="cfg")
 deltanet, attention, moe = jit(M.gated_deltanet), jit(M.gated_attention), jit(M.sparse_moe)
 mlp = jax.jit(M.mlp)
+mtp_update = jax.jit(spec_decode.mtp_update, static_argnums=(1, 5))
+mtp_step = jax.jit(spec_decode.mtp_step, static_argnums=1)
 rules = {"recurrent": jax.jit(jax_impl.gated_delta_recurrent), "chunked": jax.jit(jax_impl.gated_delta_chunked)}
 PAD_TO = 128                      # multi-token calls are padded to a multiple of this (Jax.decode)
 
@@ -87,26 +89,52 @@ class Jax(Engine):
         return jax_impl.load(checkpoint_dir, self.dtype)
 
     def prefill(self, model, tokens):
+        return self.decode(model, self.empty_state(model), tokens)
+
+    def empty_state(self, model):
         """The KV buffers hold the model's whole context, so no case outgrows them and every call of a checkpoint
         compiles for the same state shapes."""
         cfg, params = model
-        state = jax_impl.empty_state(cfg, cfg.max_position_embeddings, params["embed_tokens"].dtype)
-        return self.decode(model, state, tokens)
+        return jax_impl.empty_state(cfg, cfg.max_position_embeddings, params["embed_tokens"].dtype)
 
     def decode(self, model, state, tokens):
-        """Several tokens are padded to a multiple of PAD_TO (jax_impl's `valid` says how many are real): the suite's
-        multi-token calls then compile one prefill per checkpoint."""
+        logits, _, state = self.forward(model, state, tokens)
+        return logits, state
+
+    def forward(self, model, state, tokens):
+        """-> logits (T, V) and final-normed hidden states (T, D) on the host, new state. Several tokens are padded to
+        a multiple of PAD_TO (jax_impl's `valid` says how many are real): the suite's multi-token calls then compile
+        one prefill per checkpoint."""
         cfg, params = model
         if len(tokens) == 1:
-            logits, _, state = jax_impl.decode(params, cfg, jnp.int32(tokens[0]), state)
-            return host(logits)[None], state
+            logits, hidden, state = jax_impl.decode(params, cfg, jnp.int32(tokens[0]), state)
+            return host(logits)[None], host(hidden)[None], state
         room = cfg.max_position_embeddings - int(state.length)
         if len(tokens) > room:
             raise ValueError(f"{len(tokens)} tokens do not fit the {room} free slots of the KV buffers")
         padded = np.pad(tokens, (0, min(-len(tokens) % PAD_TO, room - len(tokens))))
-        logits, _, state, _ = jax_impl.prefill(params, cfg, jnp.asarray(padded, jnp.int32), state,
-                                               jnp.int32(len(tokens)))
-        return host(logits[:len(tokens)]), state
+        logits, hidden, state, _ = jax_impl.prefill(params, cfg, jnp.asarray(padded, jnp.int32), state,
+                                                    jnp.int32(len(tokens)))
+        return host(logits[:len(tokens)]), host(hidden[:len(tokens)]), state
+
+    def mtp_hidden(self, model, state, tokens):
+        return self.forward(model, self.empty_state(model) if state is None else state, tokens)[1:]
+
+    def mtp_draft(self, model, mtp_state, tokens, hidden, chain):
+        """jax_impl's MTP drafter: mtp_update takes the new pairs (as after a verify round), then the chain's steps are
+        mtp_propose's, fed the given tokens."""
+        cfg, params = model
+        dtype = params["embed_tokens"].dtype
+        if mtp_state is None:
+            mtp_state = R.State((jax_impl.empty_kv(cfg, cfg.max_position_embeddings, dtype),), jnp.int32(0))
+        mtp_state, h = mtp_update(params, cfg, (mtp_state, None), jnp.asarray(tokens, jnp.int32),
+                                  jnp.asarray(hidden, dtype), len(tokens))
+        state, depth_hidden = mtp_state, [h]
+        for token in chain:
+            h, state = mtp_step(params, cfg, jnp.int32(token), h, state)
+            depth_hidden.append(h)
+        depth_hidden = jnp.stack(depth_hidden)
+        return host(jax_impl.lm_head(params, depth_hidden)), host(depth_hidden), mtp_state
 
     def export_state(self, model, state):
         """Only the live part of the KV buffers, the first state.length slots, in the reference's layout."""
@@ -136,6 +164,21 @@ class Jax(Engine):
     def sample(self, logits, sampling, uniforms):
         p = jax_impl.probabilities(jnp.asarray(logits), R.sampling_of(sampling))
         return host(p), host(jax.vmap(jax_impl.sample)(p, jnp.asarray(uniforms)))
+
+    def draw(self, logits, sampling, n, seed):
+        """jax_impl's draw (temperature, top-k, top-p, then a uniform from jax.random), as its generate loop draws."""
+        sampling = R.sampling_of(sampling)
+        keys = jax.random.split(jax.random.key(seed), (n, len(logits)))
+        rows = jax.vmap(jax.vmap(lambda row, key: spec_decode.draw(row, sampling, key)[0]), (None, 0))
+        return host(rows(jnp.asarray(logits), keys)).T
+
+    def accept_draws(self, draft, q, logits, sampling, n, seed):
+        """jax_impl.accept_speculative with uniforms from jax.random, as its generate loop accepts."""
+        p = jax_impl.probabilities(jnp.asarray(logits), R.sampling_of(sampling))
+        u = jax.random.uniform(jax.random.key(seed), (n, len(draft) + 1))
+        accept = jax.vmap(jax_impl.accept_speculative, (None, None, None, None, 0))
+        accepted, tokens = accept(jnp.asarray(draft, jnp.int32), len(draft), jnp.asarray(q), p, u)
+        return host(accepted), host(tokens)
 
     def copy_state(self, model, state):
         return jax.tree.map(jnp.copy, state)     # decode donates its state: a prefix-cache entry needs its own buffers

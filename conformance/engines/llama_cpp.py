@@ -195,23 +195,26 @@ def greedy_sampler():
     return sampler
 
 
-def bindings_sampler(sampling):
+def bindings_sampler(sampling, seed=SEED):
     """The chain Llama.sample / Llama.generate build for these settings (llama.py _init_sampler): top-k, top-p, then
-    temperature, then the dist draw (typical_p = 1 and min_p = 0 are no-ops)."""
+    temperature, then the dist draw with its own generator, seeded (typical_p = 1 and min_p = 0 are no-ops); the
+    greedy sampler at temperature 0."""
+    if sampling["temperature"] == 0:
+        return greedy_sampler()
     sampler = internals.LlamaSampler()
     sampler.add_top_k(sampling["top_k"])
     sampler.add_top_p(sampling["top_p"], 1)
     sampler.add_temp(sampling["temperature"])
-    sampler.add_dist(SEED)
+    sampler.add_dist(seed)
     return sampler
 
 
 @register_engine("llama_cpp")
 class LlamaCpp(Engine):
     features = frozenset({"prefill", "decode", "extend", "greedy", "sampling", "speculative", "rollback:per-position",
-                          "accept:greedy", "moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims",
-                          "conv_kernel_3", "partial_rotary_0.5", "multimodal_layout", "per_expert_weights",
-                          "mtp_weights"})
+                          "accept:greedy", "draws", "accept:draws", "moe", "untied_embeddings", "gva_ratio_3",
+                          "unequal_head_dims", "conv_kernel_3", "partial_rotary_0.5", "multimodal_layout",
+                          "per_expert_weights", "mtp_weights"})
 
     def __init__(self):
         llama_cpp.llama_log_set(keep_errors, ctypes.c_void_p(0))
@@ -242,12 +245,26 @@ class LlamaCpp(Engine):
         case's uniforms, since llama.cpp's dist sampler draws from its own generator."""
         p = np.zeros(logits.shape, dtype=np.float32)
         for row, out in zip(logits, p):
-            if sampling["temperature"] == 0:
-                out[apply_sampler(greedy_sampler(), row)[2]] = 1
-            else:
-                ids, probabilities, _ = apply_sampler(bindings_sampler(sampling), row)
-                out[ids] = probabilities
+            ids, probabilities, selected = apply_sampler(bindings_sampler(sampling), row)
+            out[ids] = probabilities if sampling["temperature"] else ids == selected
         return p, inverse_cdf_draw(p, uniforms)
+
+    def draw(self, logits, sampling, n, seed):
+        """The bindings' sampler chain, its dist sampler drawing with llama.cpp's own generator (seeded once)."""
+        sampler = bindings_sampler(sampling, seed)
+        return np.array([[apply_sampler(sampler, row)[2] for _ in range(n)] for row in logits], dtype=np.int64)
+
+    def accept_draws(self, draft, q, logits, sampling, n, seed):
+        """common_sampler_sample_and_accept_n (common/sampling.cpp) with the bindings' chain: sample the target's token
+        at each verified row with llama.cpp's own generator and accept while it equals the draft; q is not read."""
+        sampler, rounds = bindings_sampler(sampling, seed), []
+        for _ in range(n):
+            for i, token in enumerate([*draft, None]):
+                sampled = apply_sampler(sampler, logits[i])[2]
+                if sampled != token:
+                    rounds.append((i, sampled))
+                    break
+        return tuple(np.array(column, dtype=np.int64) for column in zip(*rounds))
 
     def verify(self, session, state, tokens, rollback):
         logits, _ = session.run(state, tokens)
@@ -264,12 +281,8 @@ class LlamaCpp(Engine):
     def accept(self, draft, q, logits, sampling, uniforms):
         """common_sampler_sample_and_accept_n (common/sampling.cpp) with the greedy sampler: sample each verified
         row, accept while the sample equals the draft."""
-        sampler = greedy_sampler()
-        for i, token in enumerate(draft):
-            target = apply_sampler(sampler, logits[i])[2]
-            if target != token:
-                return i, target
-        return len(draft), apply_sampler(sampler, logits[len(draft)])[2]
+        accepted, tokens = self.accept_draws(draft, q, logits, {"temperature": 0}, 1, SEED)
+        return int(accepted[0]), int(tokens[0])
 
 
 if __name__ == "__main__":

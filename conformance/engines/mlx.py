@@ -62,8 +62,9 @@ def sampler_logits(sampling, logprobs):
 @register_engine("mlx")
 class Mlx(Engine):
     features = frozenset({"gated_delta_rule", "prefill", "decode", "extend", "greedy", "state_export", "sampling",
-                          "trace", "snapshot", "moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims", "conv_kernel_3",
-                          "partial_rotary_0.5", "multimodal_layout", "per_expert_weights", "mtp_weights"})
+                          "draws", "trace", "snapshot", "moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims",
+                          "conv_kernel_3", "partial_rotary_0.5", "multimodal_layout", "per_expert_weights",
+                          "mtp_weights"})
 
     def load(self, checkpoint_dir):
         model_type = json.loads((Path(checkpoint_dir) / "config.json").read_text())["model_type"]
@@ -121,3 +122,12 @@ class Mlx(Engine):
             p = array(mx.softmax(sampler_logits(sampling, rows - mx.logsumexp(rows, axis=-1, keepdims=True)),
                                  axis=-1))
         return p, inverse_cdf_draw(p, uniforms)
+
+    def draw(self, logits, sampling, n, seed):
+        """mlx-lm's sampler (make_sampler) over n copies of each row, drawing with mlx's own generator, seeded."""
+        mx.random.seed(seed)
+        sampler = sample_utils.make_sampler(temp=sampling["temperature"], top_p=sampling["top_p"],
+                                            top_k=sampling["top_k"])
+        rows = mx.array(logits)
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        return np.stack([np.array(sampler(mx.broadcast_to(row, (n, len(row))))) for row in logprobs]).astype(np.int64)

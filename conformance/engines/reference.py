@@ -77,6 +77,16 @@ class Reference(Engine):
         p = R.probabilities(logits, R.sampling_of(sampling))
         return p, np.array([R.sample(row, u) for row, u in zip(p, uniforms)], dtype=np.int64)
 
+    def draw(self, logits, sampling, n, seed):
+        """reference.sample with uniforms from a np.random.Generator, as generate() draws."""
+        rng, p = np.random.default_rng(seed), R.probabilities(logits, R.sampling_of(sampling))
+        return np.array([[R.sample(row, u) for u in rng.random(n)] for row in p], dtype=np.int64)
+
+    def accept_draws(self, draft, q, logits, sampling, n, seed):
+        rng, sampling = np.random.default_rng(seed), R.sampling_of(sampling)
+        rounds = [R.accept(list(draft), q, logits, sampling, rng.random(len(draft) + 1)) for _ in range(n)]
+        return tuple(np.array(column, dtype=np.int64) for column in zip(*rounds))
+
     def verify(self, model, state, tokens, rollback):
         cfg, params = model
         logits, _, verified = R.verify(params, cfg, state, tokens, rollback)
@@ -90,3 +100,14 @@ class Reference(Engine):
 
     def copy_state(self, model, state):
         return state                    # a reference State is a value: no call ever changes one
+
+    def mtp_hidden(self, model, state, tokens):
+        cfg, params = model
+        _, hidden, state, _ = R.forward(params, cfg, tokens, R.empty_state(cfg) if state is None else state)
+        return hidden, state
+
+    def mtp_draft(self, model, mtp_state, tokens, hidden, chain):
+        cfg, params = model
+        mtp_state = R.mtp_drafter(params, cfg).initial_state if mtp_state is None else mtp_state
+        picks = iter(chain)
+        return R.mtp_chain(params, cfg, mtp_state, tokens, hidden, len(chain) + 1, lambda logits: int(next(picks)))

@@ -32,6 +32,19 @@ def array(t):
     return t.detach().to(torch.float32).cpu().numpy().copy()    # a copy: the cache's tensors change in place later
 
 
+def warped(logits, sampling):
+    """The probabilities generate() draws from: transformers' warpers in its order, then a softmax (N, V)."""
+    scores = tensor(logits)
+    if sampling["temperature"] == 0:
+        return F.one_hot(scores.argmax(-1), scores.shape[-1]).to(torch.float32)
+    scores = TemperatureLogitsWarper(sampling["temperature"])(None, scores)
+    if sampling["top_k"]:
+        scores = TopKLogitsWarper(sampling["top_k"])(None, scores)
+    if sampling["top_p"] < 1:
+        scores = TopPLogitsWarper(sampling["top_p"])(None, scores)
+    return scores.softmax(-1)
+
+
 def text_config(attrs, hidden_size, layer_type, moe=False):
     """A one-layer text config carrying the case's attrs (they are named as config.json keys)."""
     rope = {"rope_type": "default", "rope_theta": attrs.get("rope_theta", 1e4),
@@ -147,7 +160,7 @@ OPS = {"rms_norm": rms_norm, "rms_norm_gated": rms_norm_gated,
 @register_engine("transformers")
 class Transformers(Engine):
     features = frozenset(FEATURES) - {"speculative", "rollback:per-position", "rollback:replay", "accept:greedy",
-                                      "accept:sampling"}
+                                      "accept:sampling", "accept:draws", "mtp"}
 
     def __init__(self, dtype="float32", device="cpu", attention="eager"):
         """The suite runs the defaults: float32 on the CPU, eager attention. The benchmarks (bench/timing.py) time
@@ -200,16 +213,12 @@ class Transformers(Engine):
     @torch.no_grad()
     def sample(self, logits, sampling, uniforms):
         """transformers' warpers in the order generate() applies them, then an inverse-CDF draw per row."""
-        scores = tensor(logits)
-        if sampling["temperature"] == 0:
-            p = F.one_hot(scores.argmax(-1), scores.shape[-1]).to(torch.float32)
-        else:
-            scores = TemperatureLogitsWarper(sampling["temperature"])(None, scores)
-            if sampling["top_k"]:
-                scores = TopKLogitsWarper(sampling["top_k"])(None, scores)
-            if sampling["top_p"] < 1:
-                scores = TopPLogitsWarper(sampling["top_p"])(None, scores)
-            p = scores.softmax(-1)
+        p = warped(logits, sampling)
         cdf = p.cumsum(-1)
         tokens = torch.searchsorted(cdf, (tensor(uniforms) * cdf[:, -1])[:, None], right=True)[:, 0]
         return array(p), tokens.clamp(max=p.shape[-1] - 1).numpy().astype(np.int64)
+
+    def draw(self, logits, sampling, n, seed):
+        """generate()'s draw: torch.multinomial over the warped probabilities, from a seeded torch.Generator."""
+        return torch.multinomial(warped(logits, sampling), n, replacement=True,
+                                 generator=torch.Generator().manual_seed(seed)).numpy().astype(np.int64)
