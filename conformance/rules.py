@@ -16,14 +16,18 @@ import reference as R
 
 
 class Parts(NamedTuple):
-    """How a rule computes each part of a round; the defaults are the spec's."""
-    probabilities: Callable = R.probabilities                              # (logits, Sampling) -> p
-    acceptance: Callable = lambda p, q, x: R.acceptance(p[x], q[x])        # (p_i, q_i, draft) -> chance of keeping it
+    """How a rule computes each part of a round; the defaults are the spec's. probabilities: (logits, Sampling) -> p;
+    acceptance: (p_i, q_i, draft) -> the chance of keeping the draft; accepts: (u, chance) -> kept?; residual:
+    (p_i, q_i, draft) -> what the token after rejecting the draft is drawn from; bonus_row: K -> the row the token after
+    K accepted drafts is drawn from; new_token_uniform: (u, i) -> the uniform that draws the token after rejecting
+    draft i; draw: (distribution, u) -> token."""
+    probabilities: Callable = R.probabilities
+    acceptance: Callable = lambda p, q, x: R.acceptance(p[x], q[x])
     accepts: Callable = lambda u, chance: u < chance
-    residual: Callable = lambda p, q, x: R.residual(p, q)                  # what the token after a rejection is drawn from
-    bonus_row: Callable = lambda K: K                                      # the row the token after K accepted drafts is drawn from
-    new_token_uniform: Callable = lambda u, i: u[-1]                       # the uniform drawing the token after rejecting draft i
-    draw: Callable = R.sample                                              # (distribution, u) -> token
+    residual: Callable = lambda p, q, x: R.residual(p, q)
+    bonus_row: Callable = lambda K: K
+    new_token_uniform: Callable = lambda u, i: u[-1]
+    draw: Callable = R.sample
 
 
 SPEC = Parts()
@@ -145,8 +149,8 @@ class Rule(NamedTuple):
 
 
 WRONG = [
-    Rule("residual-unnormalised", "the token after a rejection drawn from max(0, p - q) by an inverse CDF that does not "
-         "scale u by the residual's total (u past the total falls on the last token)",
+    Rule("residual-unnormalised", "the token after a rejection drawn from max(0, p - q) by an inverse CDF that does "
+         "not scale u by the residual's total (u past the total falls on the last token)",
          Parts(residual=residual_unnormalised), lambda r, p, a: rejected(r, a)),
     Rule("residual-from-p", "the token after a rejection drawn from p instead of max(0, p - q)",
          Parts(residual=lambda p, q, x: p), lambda r, p, a: rejected(r, a)),

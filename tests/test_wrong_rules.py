@@ -52,9 +52,9 @@ def supplied_uniform_rounds():
                         prefix = f"b{b}.s{s}."
                         accepted, committed = int(expected[prefix + "accepted"][0]), expected[prefix + "committed"]
                         cut = len(committed) < accepted + 1
-                        yield (f"{meta['name']} {prefix}", rules.Round(step["tokens"][1:], rule["q"],
-                                                                         expected[prefix + "logits"], R.sampling_of(rule)),
-                               rule["uniforms"], None if cut else (accepted, int(committed[-1])))
+                        r = rules.Round(step["tokens"][1:], rule["q"], expected[prefix + "logits"], R.sampling_of(rule))
+                        yield f"{meta['name']} {prefix}", r, rule["uniforms"], None if cut else (accepted,
+                                                                                                  int(committed[-1]))
 
 
 ROUNDS = list(supplied_uniform_rounds())
@@ -64,7 +64,7 @@ def test_every_decision_with_supplied_uniforms_tells_every_wrong_rule_that_appli
     told = {rule.name: 0 for rule in rules.WRONG}
     for name, r, u, golden in ROUNDS:
         outcome = rules.decide(rules.SPEC, r, u)
-        assert golden in (None, outcome), f"{name}: the spec decides {outcome} on the stored logits, the golden {golden}"
+        assert golden in (None, outcome), f"{name}: the spec decides {outcome} on the stored logits, golden {golden}"
         assert not rules.undiscriminated(r, u, outcome), name
         for rule in rules.applicable(r, outcome[0]):
             told[rule.name] += 1
