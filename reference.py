@@ -499,6 +499,7 @@ def until_stop(tokens, stop):  # committed tokens end at the first stop (EOS) to
 
 # A round, and a serving trace of many, run against a Target: the model being decoded as pure functions over its
 # explicit state. reference_target is this file's; the conformance runner wraps an engine under test in one.
+
 class Target(NamedTuple):
     extend: Callable     # (state or None, tokens (T,)) -> logits (T, V), state   (None: a new request's prefill)
     verify: Callable     # (state, tokens (K+1,)) -> logits (K+1, V), hidden (K+1, D) or None, pending commit
@@ -569,6 +570,7 @@ def run_trace(target, batches):
 #   propose(draft_state, context, new_hidden, k, sampling, rng) -> (tokens (k',), q (k', V), draft_state), k' <= k
 # `context` holds every committed token; the target has consumed all but the last. `new_hidden` (n, D) holds the
 # target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them).
+
 class Drafter(NamedTuple):
     name: str
     initial_state: object
@@ -923,6 +925,7 @@ def load_config(model_dir):
 
 
 # Weights: the tensors every checkpoint must hold, then reading them.
+
 def decoder_layer_shapes(prefix, kind, cfg):
     """Tensor name -> shape for one decoder layer, as Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM name them."""
     D, Dh, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -1212,6 +1215,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parent / "weights" / "default"
 
 
 # Command line
+
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(message)
