@@ -1214,8 +1214,6 @@ def cast(params, dtype):
 DEFAULT_MODEL = Path(__file__).resolve().parent / "weights" / "default"
 
 
-# Command line
-
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(message)
