@@ -36,9 +36,10 @@ from conformance.format import HERE, ROOT, directory_sha256
 
 CACHE = HERE / "_out" / "cache"
 CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
-N_CTX = 512                # positions per context; no case needs 100
+N_CTX = 512                # positions of the one-sequence context; no case needs 100 (a trace's: the checkpoint's)
 MAX_DRAFT = 8              # recurrent-state snapshots kept per sequence: a verify may roll back this many positions
 SEED = 0                   # only fixes llama.cpp's dist sampler; the case's uniforms make the draws
+WHOLE_STATE = llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE   # a sequence's KV cells and recurrent state, on the host
 GGML_LOG_LEVEL_ERROR = 4   # ggml.h enum ggml_log_level: DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 libllama_errors = []
 
@@ -268,9 +269,9 @@ class ServedTrace:
 
     def save(self, request):
         seq = self.seq[request]
-        size = llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, seq, 0)
+        size = llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, seq, WHOLE_STATE)
         data = (ctypes.c_uint8 * size)()
-        if llama_cpp.llama_state_seq_get_data_ext(self.context.ctx, data, size, seq, 0) != size:
+        if llama_cpp.llama_state_seq_get_data_ext(self.context.ctx, data, size, seq, WHOLE_STATE) != size:
             raise RuntimeError(f"llama_state_seq_get_data_ext wrote less than the {size} bytes of sequence {seq}")
         return PrefixEntry(data, self.length[request])
 
@@ -278,7 +279,7 @@ class ServedTrace:
         self.start(request)
         seq = self.seq[request]
         size = len(entry.data)
-        if llama_cpp.llama_state_seq_set_data_ext(self.context.ctx, entry.data, size, seq, 0) != size:
+        if llama_cpp.llama_state_seq_set_data_ext(self.context.ctx, entry.data, size, seq, WHOLE_STATE) != size:
             raise RuntimeError(f"llama_state_seq_set_data_ext could not restore a prefix-cache entry into sequence "
                                f"{seq}")
         self.length[request] = entry.length
