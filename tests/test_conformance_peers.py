@@ -53,7 +53,7 @@ def test_the_mrope_section_written_for_llama_cpp_has_qwen35s_layout():
 
 
 PROMPT = [50, 197, 163, 112, 121, 220, 9, 221, 49, 193, 27, 21]
-VERIFIED, KEPT, NEXT = [128, 155, 248, 186, 161], 2, 139      # the last prompt token's successor and 4 drafts; keep 2
+VERIFIED, KEPT, NEXT = [128, 155, 248, 186, 161], 2, 139      # 5 tokens verified in one pass, the first 2 kept
 
 
 def rolled_back(session):
