@@ -127,7 +127,7 @@ class Memory:
                 for buffer, field in zip(mem.tape, tape):
                     buffer[slot, :len(tape.g)] = field
         self.write(slot, after, since=start.length)
-        self.length[slot] = start.length
+        self.length[slot] = start.length         # committed positions only: the commit adds the kept ones
 
     def commit(self, slot, n, verified, rollback):
         """Keep the first n of the `verified` positions of the slot's last verify pass."""
@@ -207,6 +207,8 @@ def run_step(memory, step):
 
 @register_engine("slots")
 class Slots(Reference):
+    """The reference adapter with a serving engine's batched path for the traces."""
+
     def run_trace(self, model, batches, rollback, slots):
         """Each batch: its bookkeeping steps before the rows, the rows together, the bookkeeping steps after them."""
         steps = [step for batch in batches for step in batch]
