@@ -45,7 +45,7 @@ def layer_slots(cfg, kind, slots, width):
     B, W1, C = slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    if kind != "linear_attention":
+    if kind != "linear_attention":          # capacity: the model's context length (vLLM's max_model_len)
         kv = (B, cfg.max_position_embeddings, cfg.num_key_value_heads, cfg.head_dim)
         return AttnSlots(zeros(*kv), zeros(*kv))
     return DeltaSlots(zeros(B, Hv, Dk, Dv), zeros(B, W1, C), zeros(B, width, Hv, Dk, Dv), zeros(B, width, W1, C),
@@ -59,6 +59,8 @@ def copied(state):
 
 
 class Memory:
+    """The engine's memory and bookkeeping for `slots` requests at once, verify rows of up to `width` tokens."""
+
     def __init__(self, cfg, slots, width):
         self.width = width                                # K+1: the most positions a verify row holds
         self.layers = [layer_slots(cfg, kind, slots, width) for kind in cfg.layer_types]
