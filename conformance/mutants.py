@@ -56,8 +56,7 @@ CATALOGUE = (
     Mutant("prefill-classified-by-shape", "a row is a verify row when it holds K+1 tokens, whatever its op: a prompt "
            "chunk of exactly K+1 tokens then waits for a commit that never comes, its positions not counted",
            "vllm#49918", 'speculative = [step["op"] == "verify" and len(step["tokens"]) > 1 for _, step in rows]',
-           'speculative = [len(step["tokens"]) == memory.width for _, step in rows]',
-           escapes="no trace has a prompt chunk of K+1 = 5 tokens (prefill chunks are 7 to 275 tokens)"),
+           'speculative = [len(step["tokens"]) == memory.width for _, step in rows]'),
     # slots: admission, release, prefix cache
     Mutant("slot-state-not-cleared", "a new request inherits the recurrent state (S) of the slot's last user",
            "ikawrakow/ik_llama.cpp#1696", "mem.S[slot] = 0", "pass"),
