@@ -351,10 +351,11 @@ def seeded(meta, seed):
 
 
 def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None,
-        statistical=False, seed=0):
+        fail_fast=False, statistical=False, seed=0):
     """Returns (results, exit code): 1 when any result is unexpected. `expectations` defaults to the engine's file;
-    the table goes to `out` (stdout), progress lines to `progress` (stderr). statistical: run the statistical pack
-    (`sample` mode), its engine seeded from `seed`, instead of the other cases."""
+    the table goes to `out` (stdout), progress lines to `progress` (stderr). fail_fast: stop after the first
+    unexpected result (the results then end with it). statistical: run the statistical pack (`sample` mode), its
+    engine seeded from `seed`, instead of the other cases."""
     out, progress = out or sys.stdout, progress or sys.stderr
     engine = get_engine(engine_name)
     expectations = load_expectations(engine_name) if expectations is None else expectations
@@ -378,6 +379,8 @@ def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectation
     for i, (folder, meta) in enumerate(cases, 1):
         results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model))
         print(f"[{i}/{len(cases)}] {results[-1].status:<5} {meta['name']}", file=progress, flush=True)
+        if fail_fast and results[-1].unexpected:
+            break
     print_table(results, out)
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "ERROR", "SKIP")}
     unexpected = [r.name for r in results if r.unexpected]

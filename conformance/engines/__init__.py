@@ -76,7 +76,7 @@ class Engine:
         speculative, rollback:*          verify, commit
         accept:greedy, accept:sampling   accept
         trace                            (the default run_trace drives the methods above, one step at a time)
-        snapshot                         copy_state
+        snapshot                         copy_state (or a run_trace override that keeps prefix-cache entries itself)
         mtp                              mtp_hidden, mtp_draft (export_mtp_state with state_export)
         draws, accept:draws              draw, accept_draws (the statistical pack: `python -m conformance sample`)
     """
