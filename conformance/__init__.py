@@ -4,5 +4,21 @@
     python -m conformance list [--cases REGEX]     the cases, their kinds and features
     python -m conformance run --engine NAME [--cases REGEX] [--report out.json]
 
+Installed from the wheel, this package is qwen35.conformance and the command is `qwen35-conformance`.
 INTERPRETING.md is the contract for engine authors and for readers of the goldens in other languages.
 """
+
+import importlib
+
+# In a clone of the repository this package and its siblings, reference.py (the spec) and jax_impl, are top-level;
+# in the installed kit they are qwen35.conformance, qwen35.reference and qwen35.jax_impl (pyproject.toml). Modules
+# here reach them through `sibling`, so both layouts run the same files.
+KIT = __name__.rpartition(".")[0]
+
+
+def sibling(name):
+    """A module beside this package (reference, jax_impl, jax_impl.model) in either layout."""
+    return importlib.import_module(f"{KIT}.{name}" if KIT else name)
+
+
+reference = sibling("reference")

@@ -4,8 +4,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from conformance.engines import UnknownEngine
-from conformance.format import CASES_DIR, GoldenError, case_dirs, read_manifest
+from .engines import UnknownEngine
+from .format import CASES_DIR, GoldenError, case_dirs, read_manifest
 
 
 def main(argv=None):
@@ -25,12 +25,12 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         if args.command == "generate" and args.check:
-            from conformance.generate import check
+            from .generate import check
             stale = check(args.out)
             print("\n".join(stale) if stale else f"{args.out}: fresh (regenerating changes float32 rounding only)")
             return 1 if stale else 0
         elif args.command == "generate":
-            from conformance.generate import generate
+            from .generate import generate
             generate(args.out)
         elif args.command == "list":
             import re
@@ -39,7 +39,7 @@ def main(argv=None):
                     meta = read_manifest(folder)
                     print(f"{meta['name']:<52} {meta['kind']:<16} {' '.join(meta['features'])}")
         else:
-            from conformance.runner import run as run_cases
+            from .runner import run as run_cases
             return run_cases(args.engine, args.cases, args.report, args.dir)[1]
     except (GoldenError, UnknownEngine) as e:
         print(f"error: {e}", file=sys.stderr)

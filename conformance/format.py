@@ -20,7 +20,8 @@ import safetensors.numpy
 SUITE_VERSION = 3          # bump on any change to the format or to what a case means (INTERPRETING.md)
 REGENERATE = "python -m conformance generate"
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent         # checkpoint paths in manifests are relative to the repository root
+ROOT = HERE.parent         # checkpoint paths in manifests are relative to this: the repository root in a clone,
+                           # the qwen35 package of the installed kit (which holds weights/ too)
 CASES_DIR = HERE / "cases"
 MANIFEST, INPUTS, EXPECTED = "case.json", "inputs.safetensors", "expected.safetensors"
 TOLERANCES = json.loads((HERE / "tolerances.json").read_text())
@@ -80,8 +81,9 @@ class GoldenError(Exception):
     that rebuilds them (for whoever changed the reference, the generator or a checkpoint)."""
 
     def __init__(self, path, problem):
-        super().__init__(f"{path}: {problem}; restore the shipped goldens (`git checkout conformance/cases weights`), "
-                         f"or after changing reference.py, the generator or weights/ rebuild them with `{REGENERATE}`")
+        super().__init__(f"{path}: {problem}; restore the shipped goldens (`git checkout conformance/cases weights`, "
+                         f"or reinstall the kit), or after changing reference.py, the generator or weights/ rebuild them "
+                         f"with `{REGENERATE}`")
 
 
 class Output(NamedTuple):

@@ -12,10 +12,10 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-import reference as R
-from conformance.engines import get_engine
-from conformance.format import (CASES_DIR, EXPECTED, FEATURES, HERE, INPUTS, PRECISIONS, ROOT, SUITE_VERSION,
-                                case_dirs, read_manifest, read_tensors, trace_batches)
+from . import reference as R
+from .engines import get_engine
+from .format import (CASES_DIR, EXPECTED, FEATURES, HERE, INPUTS, PRECISIONS, ROOT, SUITE_VERSION, case_dirs,
+                     read_manifest, read_tensors, trace_batches)
 
 OUT_DIR = HERE / "_out"           # actual outputs of failing cases, for inspection
 SHOWN_MISMATCHES = 5

@@ -12,15 +12,21 @@ import json
 import os
 import sys
 
-import jax
-import numpy as np
+from . import reference
 
-import reference
-from . import matvec
-from .model import empty_state, prefill
-from .sharding import initialize_distributed, make_mesh
-from .spec_decode import generate
-from .weights import DTYPES, load
+try:                # JAX is the `jax` extra: without it main() says so in one line
+    import jax
+    import numpy as np
+
+    from . import matvec
+    from .model import empty_state, prefill
+    from .sharding import initialize_distributed, make_mesh
+    from .spec_decode import generate
+    from .weights import DTYPES, load
+except ModuleNotFoundError as e:
+    missing_jax = reference.missing_extra(e, "jax", "python -m jax_impl")
+else:
+    missing_jax = None
 
 
 def parse_args(argv):
@@ -112,6 +118,8 @@ def native_stdout_to_stderr(active):
 
 def main(argv=None):
     try:
+        if missing_jax:
+            raise missing_jax
         args = parse_args(argv)
         with native_stdout_to_stderr(args["coordinator"]):
             run(args)

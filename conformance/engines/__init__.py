@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-import reference as R
+from .. import reference as R
 
 ENGINES = {}
 

@@ -27,8 +27,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals as internals
 
-from conformance.engines import Engine, inverse_cdf_draw, register_engine
-from conformance.format import HERE, ROOT, directory_sha256
+from . import Engine, inverse_cdf_draw, register_engine
+from ..format import HERE, ROOT, directory_sha256
 
 CACHE = HERE / "_out" / "cache"
 CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
