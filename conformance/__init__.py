@@ -1,8 +1,9 @@
 """Conformance kit for Qwen3.5-class hybrid models and exact speculative decoding.
 
-    python -m conformance generate                 rebuild cases/ from reference.py (deterministic)
     python -m conformance list [--cases REGEX]     the cases, their kinds and features
-    python -m conformance run --engine NAME [--cases REGEX] [--report out.json]
+    python -m conformance run --engine ENGINE [--cases REGEX] [--expectations FILE] [--report out.json]
+    python -m conformance serve --engine NAME      a Python adapter as a process engine (INTERPRETING.md section 8)
+    python -m conformance generate [--check]       rebuild cases/ from reference.py (deterministic; in a clone)
 
 Installed from the wheel, this package is qwen35.conformance and the command is `qwen35-conformance`.
 INTERPRETING.md is the contract for engine authors and for readers of the goldens in other languages.
