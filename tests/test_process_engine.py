@@ -15,6 +15,7 @@ from conformance import runner
 from conformance.engines import EngineError
 from conformance.engines.process import ProcessEngine
 from conformance.format import case_dirs
+from conformance.protocol import ProtocolError
 from conftest import ROOT
 from test_conformance import run_quietly
 
@@ -151,5 +152,21 @@ def test_states_the_runner_drops_are_freed_in_the_engine():
         copy = engine.copy_state(model, kept)           # the next request tells the engine first
         assert engine.dropped == [] and copy.key != kept.key
         assert engine.decode(model, copy, [5])[0].shape == logits.shape
+    finally:
+        engine.close()
+
+
+def test_after_a_crash_a_fresh_process_loads_the_model_again_and_old_states_are_refused():
+    engine = ProcessEngine(f"{shlex.quote(sys.executable)} -m conformance serve --engine reference")
+    try:
+        model = engine.load(ROOT / "weights" / "tiny-dense")
+        first, state = engine.prefill(model, [1, 2, 3])
+        engine.process.kill()                               # the engine dies between two cases
+        with pytest.raises(ProtocolError, match=r"exited \(status -9\) during decode"):
+            engine.decode(model, state, [4])
+        again, _ = engine.prefill(model, [1, 2, 3])          # a new process, the checkpoint loaded again
+        assert (again == first).all()
+        with pytest.raises(ProtocolError, match="belongs to an engine process that has exited"):
+            engine.decode(model, state, [4])
     finally:
         engine.close()

@@ -118,13 +118,14 @@ class ProcessEngine(Engine):
         if op not in ("hello", "free") and self.dropped:
             dropped, self.dropped = self.dropped, []
             self.request("free", handles=dropped)
+        files = new_files(Path(self.files_dir.name) / f"{op}.safetensors") if self.tensor_files else None
+        fields = to_wire(fields, self.key_of, files)     # first: a model handle may need a `load` (after a restart)
         self.next_id += 1
-        files = new_files(Path(self.files_dir.name) / f"{self.next_id}.safetensors") if self.tensor_files else None
-        message = {"id": self.next_id, "op": op, **to_wire(fields, self.key_of, files)}
         if files is not None:
             write_files(files)
         try:
-            answer = self.exchange(op, json.dumps(message, separators=(",", ":")).encode() + b"\n")
+            line = json.dumps({"id": self.next_id, "op": op, **fields}, separators=(",", ":")).encode() + b"\n"
+            answer = self.exchange(op, line)
         finally:
             if files is not None:
                 files["path"].unlink(missing_ok=True)
@@ -172,9 +173,7 @@ class ProcessEngine(Engine):
         raise TypeError(f"cannot send a {type(value).__name__} to an engine process")
 
     def handle(self, answer, field, op):
-        key = required(answer, field, op)
-        if isinstance(key, bool) or not isinstance(key, (str, int)):
-            raise ProtocolError(f"the answer to {op}: {field} must be a handle (a string or an integer), not {key!r:.100}")
+        key = handle_key(answer, field, op)
         existing = self.handles.get(key)
         handle = existing() if existing else None
         if handle is None:                    # an engine that updates a state in place may answer the same key
@@ -190,12 +189,7 @@ class ProcessEngine(Engine):
 
     def model_key(self, path):
         if path not in self.models:
-            answer = self.request("load", checkpoint=path)
-            key = required(answer, "model", "load")
-            if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise ProtocolError(f"the answer to load: model must be a handle (a string or an integer), not "
-                                    f"{key!r:.100}")
-            self.models[path] = key
+            self.models[path] = handle_key(self.request("load", checkpoint=path), "model", "load")
         return self.models[path]
 
     # The Engine methods, one request each.
@@ -270,3 +264,10 @@ def required(answer, field, op):
     if not isinstance(answer, dict) or field not in answer:
         raise ProtocolError(f"the answer to {op} lacks {field!r}")
     return answer[field]
+
+
+def handle_key(answer, field, op):
+    key = required(answer, field, op)
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise ProtocolError(f"the answer to {op}: {field} must be a handle (a string or an integer), not {key!r:.100}")
+    return key
