@@ -1219,9 +1219,10 @@ class OneLineParser(argparse.ArgumentParser):
 def missing_extra(error, extra, needed_by):
     """A ModuleNotFoundError of an optional dependency -> the UserError naming the extra that installs it
     (pyproject.toml). A module of this project that is missing is a broken install, not a choice: re-raised."""
-    if error.name is None or error.name.split(".")[0] in ("reference", "conformance", "jax_impl", "qwen35"):
+    package = (error.name or "").split(".")[0]
+    if package in ("", "reference", "conformance", "jax_impl", "qwen35"):
         raise error
-    return UserError(f"{needed_by} needs {error.name}, which is not installed: install the kit with its `{extra}` "
+    return UserError(f"{needed_by} needs {package}, which is not installed: install the kit with its `{extra}` "
                      f"extra (pip install \".[{extra}]\" in the repository)")
 
 
