@@ -60,7 +60,7 @@ def generate(args):
         from . import generate as generator
     except ModuleNotFoundError as e:   # the generator imports the spec as a clone lays it out
         if KIT and e.name in ("reference", "conformance"):
-            raise EngineError("generate rebuilds the goldens of a clone of the repository: run `python -m "
+            raise R.UserError("generate rebuilds the goldens of a clone of the repository: run `python -m "
                               "conformance generate` there") from None
         raise
     if not args.check:

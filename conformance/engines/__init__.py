@@ -106,8 +106,9 @@ def checked(engine, spec):
         engine.features = frozenset(features_named(features))
     except ValueError as e:
         raise EngineError(f"engine {spec}: {e}") from None
-    if engine.precision not in PRECISIONS:
-        raise EngineError(f"engine {spec}: precision {engine.precision!r}, expected one of {', '.join(PRECISIONS)}")
+    precision = getattr(engine, "precision", None)
+    if precision not in PRECISIONS:
+        raise EngineError(f"engine {spec}: precision {precision!r}, expected one of {', '.join(PRECISIONS)}")
     if getattr(engine, "name", "?") == "?":
         engine.name = spec
     return engine
