@@ -18,6 +18,7 @@ The model, its weights and its pitfalls in prose: docs/architecture.md. Gated De
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -498,6 +499,7 @@ def until_stop(tokens, stop):  # committed tokens end at the first stop (EOS) to
 
 # A round, and a serving trace of many, run against a Target: the model being decoded as pure functions over its
 # explicit state. reference_target is this file's; the conformance runner wraps an engine under test in one.
+
 class Target(NamedTuple):
     extend: Callable     # (state or None, tokens (T,)) -> logits (T, V), state   (None: a new request's prefill)
     verify: Callable     # (state, tokens (K+1,)) -> logits (K+1, V), hidden (K+1, D) or None, pending commit
@@ -568,6 +570,7 @@ def run_trace(target, batches):
 #   propose(draft_state, context, new_hidden, k, sampling, rng) -> (tokens (k',), q (k', V), draft_state), k' <= k
 # `context` holds every committed token; the target has consumed all but the last. `new_hidden` (n, D) holds the
 # target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them).
+
 class Drafter(NamedTuple):
     name: str
     initial_state: object
@@ -922,6 +925,7 @@ def load_config(model_dir):
 
 
 # Weights: the tensors every checkpoint must hold, then reading them.
+
 def decoder_layer_shapes(prefix, kind, cfg):
     """Tensor name -> shape for one decoder layer, as Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM name them."""
     D, Dh, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -1210,7 +1214,6 @@ def cast(params, dtype):
 DEFAULT_MODEL = Path(__file__).resolve().parent / "weights" / "default"
 
 
-# Command line
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(message)
@@ -1231,8 +1234,24 @@ TEMPERATURE_RANGE = (1e-3, 1e3)      # besides 0 (greedy): logits / T stays fini
 MAX_DRAFT_LEN = 32                   # jax_impl compiles a round for a fixed K (unrolling the MTP chain K times)
 
 
-def parse_args(argv):
-    ap = OneLineParser(prog="reference.py", description="Qwen3.5 hybrid model in NumPy, with speculative decoding.")
+class Backend(NamedTuple):
+    """What the command line runs on: this file (REFERENCE, below) or jax_impl (python -m jax_impl), with the same
+    flags, outputs and errors."""
+    prog: str
+    description: str
+    drafters: str                  # the --draft values it takes
+    add_flags: Callable            # (parser) -> None: flags of its own
+    context: Callable              # (args) -> a context manager the run happens in
+    load: Callable                 # (args) -> cfg, params
+    prompt_logits: Callable        # (params, cfg, prompt) -> logits (T, V)
+    generate: Callable             # (params, cfg, prompt, args, on_tokens) -> tokens, stats
+    summary: Callable              # (stats) -> the line printed on stderr
+    main_process: Callable         # () -> whether this process prints and writes (multi-host runs have several)
+
+
+def parse_args(argv, backend=None):
+    backend = backend or REFERENCE
+    ap = OneLineParser(prog=backend.prog, description=backend.description)
     ap.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     ap.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
@@ -1241,13 +1260,14 @@ def parse_args(argv):
                     help=f"0 = greedy, else in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
-    ap.add_argument("--seed", type=int, default=0, help=f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+    ap.add_argument("--seed", type=int, default=0, help=f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (default 0)")
     ap.add_argument("--dump-logits", metavar="PATH.npy", help="write the prompt's logits, float32 (T, V), and exit")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    ap.add_argument("--draft", default="none", help="none, ngram, mtp, skip:N or model:DIR")
+    ap.add_argument("--draft", default="none", help=backend.drafters)
     ap.add_argument("--draft-len", type=int, default=4, help=f"K, draft tokens per round, in [0, {MAX_DRAFT_LEN}]")
     ap.add_argument("--rollback", choices=ROLLBACK_STRATEGIES, default="replay")
     ap.add_argument("--ngram-table", metavar="PATH.json", help="offline n-gram table for --draft ngram")
+    backend.add_flags(ap)
     args = ap.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
@@ -1425,40 +1445,56 @@ def make_drafter(spec, params, cfg, ngram_table=None):
     raise UserError(f"--draft {spec!r}: expected none, ngram, mtp, skip:N or model:DIR")
 
 
-def run(args):
-    cfg, params = load_model(args.model)
+def run(args, backend):
+    cfg, params = backend.load(args)
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None and tokenizer is None:
         raise UserError(f"{args.model}: no tokenizer.json, use --prompt-ids")
     prompt = parse_ids(args.prompt_ids) if args.prompt is None else tokenizer.encode(args.prompt).ids
     if args.dump_logits:
         check_prompt(cfg, prompt)
-        logits = forward(params, cfg, prompt, empty_state(cfg))[0]
+        logits = backend.prompt_logits(params, cfg, prompt)
         try:
-            np.save(args.dump_logits, logits.astype(np.float32))
+            if backend.main_process():
+                np.save(args.dump_logits, np.asarray(logits, np.float32))
         except OSError as e:
             raise UserError(f"--dump-logits {args.dump_logits}: {e}") from None
         return
-    table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
-    drafter = make_drafter(args.draft, params, cfg, table)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    rng = np.random.default_rng(args.seed)
-    on_tokens, finish = ((lambda new: None), (lambda: None)) if args.json else text_stream(tokenizer, sys.stdout)
-    if drafter is None:
-        tokens, stats = generate(params, cfg, prompt, args.max_new_tokens, sampling, rng, on_tokens)
-    else:
-        tokens, stats = generate_speculative(params, cfg, prompt, args.max_new_tokens, sampling, rng, drafter,
-                                             args.draft_len, args.rollback, on_tokens)
+    quiet = args.json or not backend.main_process()
+    on_tokens, finish = ((lambda new: None), (lambda: None)) if quiet else text_stream(tokenizer, sys.stdout)
+    tokens, stats = backend.generate(params, cfg, prompt, args, on_tokens)
+    if not backend.main_process():
+        return
     finish()
     if args.json:
         text = tokenizer.decode(tokens) if tokenizer else ""
         print(json.dumps({"prompt_ids": prompt, "tokens": tokens, "text": text, "stats": stats}))
-    print(summary(stats), file=sys.stderr)
+    print(backend.summary(stats), file=sys.stderr)
 
 
-def main(argv=None):
+def reference_generate(params, cfg, prompt, args, on_tokens):
+    table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
+    drafter = make_drafter(args.draft, params, cfg, table)
+    sampling, rng = Sampling(args.temperature, args.top_k, args.top_p), np.random.default_rng(args.seed)
+    if drafter is None:
+        return generate(params, cfg, prompt, args.max_new_tokens, sampling, rng, on_tokens)
+    return generate_speculative(params, cfg, prompt, args.max_new_tokens, sampling, rng, drafter, args.draft_len,
+                                args.rollback, on_tokens)
+
+
+REFERENCE = Backend(
+    "reference.py", "Qwen3.5 hybrid model in NumPy, with speculative decoding.",
+    "none, ngram, mtp, skip:N or model:DIR", add_flags=lambda parser: None,
+    context=lambda args: contextlib.nullcontext(), load=lambda args: load_model(args.model),
+    prompt_logits=lambda params, cfg, prompt: forward(params, cfg, prompt, empty_state(cfg))[0],
+    generate=reference_generate, summary=summary, main_process=lambda: True)
+
+
+def main(argv=None, backend=REFERENCE):
     try:
-        run(parse_args(argv))
+        args = parse_args(argv, backend)
+        with backend.context(args):
+            run(args, backend)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

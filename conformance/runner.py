@@ -313,20 +313,22 @@ def select_cases(cases_dir, pattern):
 
 
 def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None,
-        out_dir=OUT_DIR, timeout=None):
+        out_dir=OUT_DIR, timeout=None, fail_fast=False):
     """Returns (results, exit code): 1 when any result is unexpected. `engine_name`: anything get_engine takes (a
     name, package.module:Class, exec:COMMAND; `timeout` is a process engine's per-request limit). `expectations`: a
     dict or a JSON file, by default the engine's own (own_expectations). The table goes to `out` (stdout), progress
-    lines to `progress` (stderr), outputs of failing cases to `out_dir`/<engine>/."""
+    lines to `progress` (stderr), outputs of failing cases to `out_dir`/<engine>/. fail_fast: stop after the first
+    unexpected result (the results then end with it)."""
     out, progress = out or sys.stdout, progress or sys.stderr
     engine = get_engine(engine_name, timeout)
     try:
-        return run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir)
+        return run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir,
+                          fail_fast)
     finally:
         engine.close()
 
 
-def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir):
+def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir, fail_fast=False):
     if expectations is None:
         expectations = own_expectations(engine)
     source = expectations if isinstance(expectations, (str, Path)) else None
@@ -344,6 +346,8 @@ def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, ou
     for i, (folder, meta) in enumerate(cases, 1):
         results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir))
         print(f"[{i}/{len(cases)}] {results[-1].status:<5} {meta['name']}", file=progress, flush=True)
+        if fail_fast and results[-1].unexpected:
+            break
     print_table(results, out)
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "ERROR", "SKIP")}
     unexpected = [r.name for r in results if r.unexpected]

@@ -353,6 +353,21 @@ def same_prompt_diverge(t, sampling=None):
     t.verify("e", accept=1)
 
 
+def verify_width_prompt_chunks(t, sampling=None):
+    """Prompt chunks of exactly K+1 tokens (a new request's, then a continuing one's) and a one-token prompt beside
+    verify rows: shaped like verify rows, they are prefills (vllm#49918, #53051)."""
+    t.prefill("a", t.tokens(12))
+    t.prefill("b", t.tokens(DRAFT_LEN + 1))
+    t.end_batch()
+    t.verify("a", accept=2)
+    t.prefill("b", t.tokens(DRAFT_LEN + 1))
+    t.prefill("c", t.tokens(1))
+    t.end_batch()
+    t.verify("a", accept=1)
+    t.verify("b", accept=2)
+    t.verify("c", accept=1)
+
+
 def long_context(t, sampling=None):
     """Attention over more than 1,000 tokens: a 1,100-token prompt in four chunks beside a short request, then
     verify rows."""
@@ -422,8 +437,9 @@ def soak(t, sampling=None):
 
 SCENARIOS = {f.__name__.replace("_", "-"): f for f in (
     mixed_accepts, zero_draft_after_accept, prefill_only_batch, accept_edges, stop_inside_accepted,
-    snapshot_after_partial_accept, prefix_cache_on_trained_model, restore_at_chunk_boundary, chunked_prefill_across_chunk, release_and_reuse,
-    same_prompt_diverge, long_context, plain_decoding, soak)}
+    snapshot_after_partial_accept, prefix_cache_on_trained_model, restore_at_chunk_boundary,
+    chunked_prefill_across_chunk, release_and_reuse, same_prompt_diverge, verify_width_prompt_chunks, long_context,
+    plain_decoding, soak)}
 
 
 GREEDY, SAMPLING = None, R.Sampling(0.9, 40, 0.95)
@@ -435,7 +451,7 @@ SMALL, DENSE, MOE = "tiny-draft", "tiny-dense", "tiny-moe"
 MATRIX = [(scenario, SMALL, GREEDY) for scenario in (
     "mixed-accepts", "zero-draft-after-accept", "prefill-only-batch", "accept-edges", "stop-inside-accepted",
     "snapshot-after-partial-accept", "restore-at-chunk-boundary", "chunked-prefill-across-chunk", "release-and-reuse",
-    "same-prompt-diverge", "plain-decoding", "soak")]
+    "same-prompt-diverge", "verify-width-prompt-chunks", "plain-decoding", "soak")]
 MATRIX += [(scenario, SMALL, SAMPLING) for scenario in (
     "mixed-accepts", "snapshot-after-partial-accept", "same-prompt-diverge", "plain-decoding", "soak")]
 MATRIX += [(scenario, DENSE, GREEDY) for scenario in (

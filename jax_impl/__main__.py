@@ -1,4 +1,5 @@
-"""python -m jax_impl: reference.py's command line (same flags, same JSON) on the JAX engine, plus
+"""python -m jax_impl: reference.py's command line on the JAX engine (reference.main with a jax Backend: the same
+flags, JSON, summary and one-line errors), plus
     --dtype {float32,bfloat16}   weights and activations (the DeltaNet state stays fp32)
     --devices N                  tensor-parallel over N devices (a "tp" mesh)
     --matvec {auto,xla}          decode's and verify's products on a CPU: the threaded kernel (matvec.py) or XLA's dot
@@ -8,7 +9,6 @@ mtp (skip:N and model:DIR are reference.py only: exit 2). Compile time is report
 """
 
 import contextlib
-import json
 import os
 import sys
 
@@ -29,9 +29,8 @@ else:
     missing_jax = None
 
 
-def parse_args(argv):
-    ours = reference.OneLineParser(prog="python -m jax_impl", add_help=False,
-                                   description="JAX engine flags; every reference.py flag is accepted too.")
+def add_flags(parser):
+    ours = parser.add_argument_group("jax_impl")
     ours.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations")
     ours.add_argument("--devices", type=int, default=1, help="tensor-parallel devices (1: no mesh)")
     ours.add_argument("--matvec", choices=matvec.MODES, default=matvec.mode,
@@ -39,12 +38,28 @@ def parse_args(argv):
     ours.add_argument("--coordinator", help="multi-host: address of process 0, HOST:PORT")
     ours.add_argument("--num-processes", type=int)
     ours.add_argument("--process-id", type=int)
-    argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help"} & set(argv):
-        ours.print_help()
-        print()
-    args, rest = ours.parse_known_args(argv)
-    return {**vars(reference.parse_args(rest)), **vars(args)}
+
+
+def load_on_devices(args):
+    if args.coordinator:
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    matvec.set_mode(args.matvec)
+    args.mesh = make_mesh(args.devices) if args.devices != 1 else None
+    return load(args.model, args.dtype, args.mesh)
+
+
+def prompt_logits(params, cfg, prompt):
+    return prefill(params, cfg, np.asarray(prompt, np.int32), empty_state(cfg, len(prompt), params["norm"].dtype))[0]
+
+
+def generate_on_device(params, cfg, prompt, args, on_tokens):
+    """jax_impl.generate; its tokens reach on_tokens at the end (the loop runs on device)."""
+    table = reference.read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
+    sampling = reference.Sampling(args.temperature, args.top_k, args.top_p)
+    tokens, stats = generate(params, cfg, prompt, args.max_new_tokens, sampling, args.seed, args.draft,
+                             args.draft_len, args.rollback, args.mesh, table)
+    on_tokens(tokens)
+    return tokens, stats
 
 
 def summary(stats):
@@ -58,48 +73,12 @@ def summary(stats):
     return line
 
 
-def run(args):
-    if args["coordinator"]:
-        initialize_distributed(args["coordinator"], args["num_processes"], args["process_id"])
-    matvec.set_mode(args["matvec"])
-    mesh = make_mesh(args["devices"]) if args["devices"] != 1 else None
-    cfg, params = load(args["model"], args["dtype"], mesh)
-    tokenizer = reference.load_tokenizer(args["model"])
-    if args["prompt"] is not None and tokenizer is None:
-        raise reference.UserError(f"{args['model']}: no tokenizer.json, use --prompt-ids")
-    prompt = reference.parse_ids(args["prompt_ids"]) if args["prompt"] is None else tokenizer.encode(args["prompt"]).ids
-    main_process = jax.process_index() == 0
-    if args["dump_logits"]:
-        reference.check_prompt(cfg, prompt)
-        logits = prefill(params, cfg, np.asarray(prompt, np.int32), empty_state(cfg, len(prompt), params["norm"].dtype))[0]
-        try:
-            if main_process:
-                np.save(args["dump_logits"], np.asarray(logits, np.float32))
-        except OSError as e:
-            raise reference.UserError(f"--dump-logits {args['dump_logits']}: {e}") from None
-        return
-    table = reference.read_ngram_table(args["ngram_table"], cfg.vocab_size) if args["ngram_table"] else None
-    sampling = reference.Sampling(args["temperature"], args["top_k"], args["top_p"])
-    tokens, stats = generate(params, cfg, prompt, args["max_new_tokens"], sampling, args["seed"], args["draft"],
-                             args["draft_len"], args["rollback"], mesh, table)
-    if not main_process:
-        return
-    if args["json"]:
-        text = tokenizer.decode(tokens) if tokenizer else ""
-        print(json.dumps({"prompt_ids": prompt, "tokens": tokens, "text": text, "stats": stats}))
-    else:
-        on_tokens, finish = reference.text_stream(tokenizer, sys.stdout)
-        on_tokens(tokens)
-        finish()
-    print(summary(stats), file=sys.stderr)
-
-
 @contextlib.contextmanager
-def native_stdout_to_stderr(active):
+def native_stdout_to_stderr(args):
     """On a multi-process run gloo (XLA:CPU's cross-process collectives) prints "[Gloo] Rank 0 is connected to ..."
     on the C++ stdout whenever it connects devices, which would break --json: meanwhile fd 1 goes to stderr and
     Python's sys.stdout, ours, to the real stdout."""
-    if not active:
+    if not args.coordinator:
         yield
         return
     ours = sys.stdout
@@ -116,17 +95,17 @@ def native_stdout_to_stderr(active):
         os.close(real)
 
 
+JAX = reference.Backend(
+    "python -m jax_impl", "The Qwen3.5 hybrid model and exact speculative decoding on JAX, on device.",
+    "none, ngram or mtp (skip:N and model:DIR are reference.py's only)", add_flags, native_stdout_to_stderr,
+    load_on_devices, prompt_logits, generate_on_device, summary, main_process=lambda: jax.process_index() == 0)
+
+
 def main(argv=None):
-    try:
-        if missing_jax:
-            raise missing_jax
-        args = parse_args(argv)
-        with native_stdout_to_stderr(args["coordinator"]):
-            run(args)
-    except reference.UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if missing_jax:
+        print(f"error: {missing_jax}", file=sys.stderr)
         return 2
-    return 0
+    return reference.main(argv, JAX)
 
 
 if __name__ == "__main__":

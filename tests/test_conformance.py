@@ -10,7 +10,7 @@ import reference as R
 from conformance import runner
 from conformance.engines import Engine, EngineError, get_engine, register_engine
 from conformance.engines.reference import Reference
-from conformance.format import FEATURE_GROUPS, FEATURES, TOLERANCES, case_dirs, features_named, read_manifest
+from conformance.format import CASES_DIR, FEATURE_GROUPS, FEATURES, TOLERANCES, case_dirs, features_named, read_manifest
 from conftest import ROOT
 
 
@@ -81,6 +81,13 @@ def test_a_missing_rollback_fails_every_partial_accept_and_shows_numbers(capsys)
     assert failed == {n for n in results if "accept4" not in n}
     assert "expected" in out and "actual" in out and "allowed" in out
     assert (runner.OUT_DIR / "test_no_rollback" / "spec-tiny-mtp-greedy-accept0-replay.safetensors").exists()
+
+
+def test_fail_fast_stops_at_the_first_unexpected_result(capsys):
+    results, code = runner.run("test_no_rollback", "^spec-", fail_fast=True)
+    capsys.readouterr()
+    assert code == 1 and results[-1].status == "FAIL" and results[-1].unexpected
+    assert not any(r.unexpected for r in results[:-1]) and len(results) < len(runner.select_cases(CASES_DIR, "^spec-"))
 
 
 @register_engine("test_flaky_top_p")

@@ -67,7 +67,7 @@ def corpus():
     digest = hashlib.sha256()
     for p, text in zip(files, texts):
         digest.update(f"{p.relative_to(lib)}\n{len(text)}\n".encode() + text.encode())
-    provenance = {"source": f"Python {sys.version.split()[0]} standard library ({lib})", "files": len(files),
+    provenance = {"source": f"Python {sys.version.split()[0]} standard library", "files": len(files),
                   "bytes": sum(len(t.encode()) for t in texts), "sha256": digest.hexdigest()}
     train = [t for i, t in enumerate(texts) if i % VALIDATION_EVERY]
     held_out = [t for i, t in enumerate(texts) if not i % VALIDATION_EVERY]
@@ -210,7 +210,7 @@ def main():
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps, args.lr * 0.1)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.1))
     opt_state, step = optimizer.init(params), make_step(cfg, optimizer)
-    log = {"provenance": provenance, "parameters": n_params, "args": {k: str(v) for k, v in vars(args).items()},
+    log = {"provenance": provenance, "parameters": n_params, "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
            "train": [], "validation": []}
     print(f"model: {n_params / 1e6:.2f}M parameters; {args.steps} steps of {args.batch} x {SEQ} tokens", flush=True)
     start = time.perf_counter()

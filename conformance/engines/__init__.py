@@ -141,7 +141,7 @@ class Engine:
         speculative, rollback:*          verify, commit
         accept:greedy, accept:sampling   accept
         trace                            (the default run_trace drives the methods above, one step at a time)
-        snapshot                         copy_state
+        snapshot                         copy_state (or a run_trace override that keeps prefix-cache entries itself)
     """
     name = "?"
     features = frozenset() # feature names, or groups of them (format.FEATURE_GROUPS)

@@ -9,10 +9,12 @@ expectations/llama_cpp.json lists both under adapter_workarounds.
 
 Cases are driven with token ids through libllama's C API (the bindings' thin wrappers; the high-level Llama class
 cannot set n_rs_seq): one context per checkpoint, holding one sequence, with n_rs_seq recurrent-state snapshots so
-that a speculative commit rolls back with llama_memory_seq_rm, as llama-server does. expectations/llama_cpp.json says
-what is unsupported and why.
+that a speculative commit rolls back with llama_memory_seq_rm, as llama-server does. A serving trace gets a context of
+its own with one sequence per request slot, and each of its batches is one llama_decode over all the batch's rows
+(ServedTrace). expectations/llama_cpp.json says what is unsupported and why.
 """
 
+import bisect
 import ctypes
 import json
 import os
@@ -22,19 +24,22 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import llama_cpp
 import numpy as np
 from llama_cpp import _internals as internals
 
+from .. import reference as R
 from . import Engine, inverse_cdf_draw, register_engine
 from ..format import HERE, ROOT, directory_sha256
 
 CACHE = HERE / "_out" / "cache"
 CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
-N_CTX = 512                # positions per context; no case needs 100
+N_CTX = 512                # positions of the one-sequence context; no case needs 100 (a trace's: the checkpoint's)
 MAX_DRAFT = 8              # recurrent-state snapshots kept per sequence: a verify may roll back this many positions
 SEED = 0                   # only fixes llama.cpp's dist sampler; the case's uniforms make the draws
+WHOLE_STATE = llama_cpp.LLAMA_STATE_SEQ_FLAGS_NONE   # a sequence's KV cells and recurrent state, on the host
 GGML_LOG_LEVEL_ERROR = 4   # ggml.h enum ggml_log_level: DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 libllama_errors = []
 
@@ -144,6 +149,24 @@ def keep_errors(level, text, user_data):
         libllama_errors.append(text.decode(errors="replace").strip())
 
 
+def new_context(model, n_ctx, n_batch, n_seq_max, kv_unified=False):
+    """A float32 context (KV cache and recurrent states, no flash attention) for n_seq_max sequences, each keeping
+    MAX_DRAFT recurrent-state snapshots, with n_ubatch = min(n_batch, llama.cpp's default 512)."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, min(n_batch, params.n_ubatch)
+    params.n_seq_max = n_seq_max
+    params.kv_unified = kv_unified
+    params.n_rs_seq = MAX_DRAFT
+    params.n_threads = params.n_threads_batch = min(4, os.cpu_count() or 1)
+    params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
+    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    context = internals.LlamaContext(model=model, params=params, verbose=False)
+    if llama_cpp.llama_n_rs_seq(context.ctx) != MAX_DRAFT:
+        context.close()
+        raise RuntimeError("llama.cpp keeps no recurrent-state snapshots for this model (n_rs_seq clamped to 0)")
+    return context
+
+
 class Session:
     """One llama.cpp context holding one sequence. A state is its length: valid until the next call changes it."""
 
@@ -154,16 +177,7 @@ class Session:
                                               verbose=False)
         except ValueError as e:
             raise ValueError(f"{e}: {' / '.join(libllama_errors)}") from None
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = N_CTX
-        params.n_seq_max = 1
-        params.n_rs_seq = MAX_DRAFT
-        params.n_threads = params.n_threads_batch = min(4, os.cpu_count() or 1)
-        params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self.context = internals.LlamaContext(model=self.model, params=params, verbose=False)
-        if llama_cpp.llama_n_rs_seq(self.context.ctx) != MAX_DRAFT:
-            raise RuntimeError("llama.cpp keeps no recurrent-state snapshots for this model (n_rs_seq clamped to 0)")
+        self.context = new_context(self.model, n_ctx=N_CTX, n_batch=N_CTX, n_seq_max=1)
         self.batch = internals.LlamaBatch(n_tokens=N_CTX, embd=0, n_seq_max=1, verbose=False)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model.model))
         self.length = 0
@@ -177,6 +191,98 @@ class Session:
         self.length += len(tokens)
         logits = np.ctypeslib.as_array(self.context.get_logits(), shape=(len(tokens), self.n_vocab))
         return logits.astype(np.float32, copy=True), self.length
+
+
+class PrefixEntry(NamedTuple):
+    """A prefix-cache entry: a sequence's state as llama_state_seq_get_data_ext serialises it, and its length."""
+    data: ctypes.Array
+    length: int
+
+
+class ServedTrace:
+    """One llama.cpp context serving a trace's requests as llama-server serves its slots: a unified KV cache (the
+    server's default) with the checkpoint's positions, a sequence id per live request (the lowest free one: a released
+    request's sequence is cleared and its id taken by the next new request), each sequence keeping MAX_DRAFT
+    recurrent-state snapshots so that a speculative commit is llama_memory_seq_rm on that sequence, and prefix-cache
+    entries held in host memory as the server's prompt cache holds them (llama_state_seq_get_data_ext, restored into
+    the new request's sequence with llama_state_seq_set_data_ext)."""
+
+    def __init__(self, session, slots):
+        n_ctx = llama_cpp.llama_model_n_ctx_train(session.model.model)
+        self.context = new_context(session.model, n_ctx=n_ctx, n_batch=n_ctx, n_seq_max=slots, kv_unified=True)
+        self.n_vocab = session.n_vocab
+        self.free = list(range(slots))
+        self.seq, self.length = {}, {}          # request -> sequence id, positions it holds
+
+    def close(self):
+        self.context.close()
+
+    def start(self, request):
+        if not self.free:
+            raise RuntimeError(f"request {request!r}: all {len(self.seq)} sequences are taken by live requests")
+        self.seq[request], self.length[request] = self.free.pop(0), 0
+
+    def release(self, request):
+        seq = self.seq.pop(request)
+        del self.length[request]
+        if not llama_cpp.llama_memory_seq_rm(self.context.memory, seq, -1, -1):
+            raise RuntimeError(f"llama_memory_seq_rm refused to clear sequence {seq}")
+        bisect.insort(self.free, seq)
+
+    def decode(self, rows):
+        """Rows (request, token ids, n): each appended to its request's sequence, all in one llama_batch and one
+        llama_decode, with logits for each row's last n tokens -> {request: logits (n, V)}."""
+        total = sum(len(tokens) for _, tokens, _ in rows)
+        batch = internals.LlamaBatch(n_tokens=total, embd=0, n_seq_max=1, verbose=False)
+        try:
+            wanted, i = {}, 0
+            for request, tokens, n in rows:
+                seq, start = self.seq[request], self.length[request]
+                for j, token in enumerate(tokens):
+                    batch.batch.token[i], batch.batch.pos[i] = int(token), start + j
+                    batch.batch.n_seq_id[i], batch.batch.seq_id[i][0] = 1, seq
+                    batch.batch.logits[i] = j >= len(tokens) - n
+                    i += 1
+                wanted[request] = range(i - n, i)
+                self.length[request] += len(tokens)
+            batch.batch.n_tokens = total
+            libllama_errors.clear()
+            code = llama_cpp.llama_decode(self.context.ctx, batch.batch)
+            if code:
+                raise RuntimeError(f"llama_decode returned {code}: {' / '.join(libllama_errors)}")
+        finally:
+            batch.close()
+        return {request: np.stack([self.logits_of(i) for i in rows_out]) for request, rows_out in wanted.items()}
+
+    def logits_of(self, i):
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context.ctx, i),
+                                     shape=(self.n_vocab,)).astype(np.float32, copy=True)
+
+    def keep(self, request, start, n):
+        """Keep the first n positions of those verified from `start`: the recurrent layers return to their snapshot
+        of position start + n - 1, the attention layers drop the later KV cells."""
+        if start + n < self.length[request]:
+            if not llama_cpp.llama_memory_seq_rm(self.context.memory, self.seq[request], start + n, -1):
+                raise RuntimeError(f"llama_memory_seq_rm refused to roll sequence {self.seq[request]} back to "
+                                   f"position {start + n}")
+        self.length[request] = start + n
+
+    def save(self, request):
+        seq = self.seq[request]
+        size = llama_cpp.llama_state_seq_get_size_ext(self.context.ctx, seq, WHOLE_STATE)
+        data = (ctypes.c_uint8 * size)()
+        if llama_cpp.llama_state_seq_get_data_ext(self.context.ctx, data, size, seq, WHOLE_STATE) != size:
+            raise RuntimeError(f"llama_state_seq_get_data_ext wrote less than the {size} bytes of sequence {seq}")
+        return PrefixEntry(data, self.length[request])
+
+    def restore(self, request, entry):
+        self.start(request)
+        seq = self.seq[request]
+        size = len(entry.data)
+        if llama_cpp.llama_state_seq_set_data_ext(self.context.ctx, entry.data, size, seq, WHOLE_STATE) != size:
+            raise RuntimeError(f"llama_state_seq_set_data_ext could not restore a prefix-cache entry into sequence "
+                               f"{seq}")
+        self.length[request] = entry.length
 
 
 def apply_sampler(sampler, row):
@@ -211,7 +317,7 @@ class LlamaCpp(Engine):
     features = frozenset({"prefill", "decode", "extend", "greedy", "sampling", "speculative", "rollback:per-position",
                           "accept:greedy", "moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims",
                           "conv_kernel_3", "partial_rotary_0.5", "multimodal_layout", "per_expert_weights",
-                          "mtp_weights"})
+                          "mtp_weights", "trace", "snapshot"})
 
     def __init__(self):
         llama_cpp.llama_log_set(keep_errors, ctypes.c_void_p(0))
@@ -270,6 +376,63 @@ class LlamaCpp(Engine):
             if target != token:
                 return i, target
         return len(draft), apply_sampler(sampler, logits[len(draft)])[2]
+
+    def run_trace(self, session, batches, rollback, slots):
+        """The batched path: one context per trace with `slots` sequences (ServedTrace); each batch's rows in one
+        llama_decode, then each verify row accepted (self.accept) and committed on its own sequence in step order."""
+        accept = self.target(session, rollback).accept
+        served, cache = ServedTrace(session, slots), {}
+        try:
+            for b, batch in enumerate(batches):
+                logits = None
+                for s, step in enumerate(batch):
+                    if logits is None and step["op"] in TRACE_ROWS:
+                        logits = served.decode(batch_rows(served, batch))
+                    yield b, s, trace_step(served, cache, step, logits, accept)
+        finally:
+            served.close()
+
+
+TRACE_ROWS = ("prefill", "verify")
+
+
+def batch_rows(served, batch):
+    """A batch's rows as ServedTrace.decode takes them, starting a sequence for each new request's prefill: a prefill
+    row wants the logits of its last token, a verify row those of all its tokens."""
+    rows = [step for step in batch if step["op"] in TRACE_ROWS]
+    requests = [step["request"] for step in rows]
+    if len(set(requests)) != len(requests):
+        raise ValueError(f"a trace batch has two rows on one request: {requests}")
+    for step in rows:
+        if step["op"] == "prefill" and step["request"] not in served.seq:
+            served.start(step["request"])
+    return [(step["request"], step["tokens"], 1 if step["op"] == "prefill" else len(step["tokens"])) for step in rows]
+
+
+def trace_step(served, cache, step, logits, accept):
+    """One step after its batch's rows were decoded -> its outputs, as reference.run_trace names them (no state: it
+    leaves llama.cpp only as opaque bytes)."""
+    request, op = step["request"], step["op"]
+    if op == "prefill":
+        return {"logits": logits[request]}
+    if op == "verify":
+        tokens, rule = step["tokens"], step["commit"]
+        start = served.length[request] - len(tokens)
+        target = R.Target(None, lambda state, tokens: (logits[request], None, start),
+                          lambda start, n: served.keep(request, start, n), accept, None)
+        r = R.speculative_round(target, None, tokens, rule.get("q"), R.sampling_of(rule), rule.get("uniforms"),
+                                rule.get("stop", ()), rule.get("keep"))
+        decided = {} if r.committed is None else {"accepted": r.accepted, "committed": r.committed}
+        return {"logits": r.logits, **decided}
+    if op == "snapshot":
+        cache[step["key"]] = served.save(request)
+    elif op == "restore":
+        served.restore(request, cache[step["key"]])
+    elif op == "release":
+        served.release(request)
+    else:
+        raise ValueError(f"trace step on {request!r}: unknown op {op!r}")
+    return {}
 
 
 if __name__ == "__main__":
