@@ -1258,6 +1258,16 @@ class OneLineParser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+def missing_extra(error, extra, needed_by):
+    """A ModuleNotFoundError of an optional dependency -> the UserError naming the extra that installs it
+    (pyproject.toml). A module of this project that is missing is a broken install, not a choice: re-raised."""
+    package = (error.name or "").split(".")[0]
+    if package in ("", "reference", "conformance", "jax_impl", "qwen35"):
+        raise error
+    return UserError(f"{needed_by} needs {package}, which is not installed: install the kit with its `{extra}` "
+                     f"extra (pip install \".[{extra}]\" in the repository)")
+
+
 SEED_RANGE = (0, 2**32 - 1)          # numpy's Generator takes any non-negative int; jax.random.key without x64, 32 bits
 TEMPERATURE_RANGE = (1e-3, 1e3)      # besides 0 (greedy): logits / T stays finite in float32, and inf (uniform) is out
 MAX_DRAFT_LEN = 32                   # jax_impl compiles a round for a fixed K (unrolling the MTP chain K times)

@@ -12,7 +12,7 @@ python3 -c "import jax, torch, transformers; print('jax', jax.__version__, jax.d
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$out/versions.txt"
 case ${2:-bench} in
   bench)
-    timeout 420 python3 bench/jax_speed.py --dtype bfloat16 --engines reference jax transformers 2>&1 \
+    timeout 420 python3 -m bench.jax_speed --dtype bfloat16 --engines reference jax transformers 2>&1 \
       | tee "$out/jax_speed_bf16.txt" ;;
   conformance)
     timeout 200 python3 -m conformance run --engine jax_bf16 --report "$out/conformance_jax_bf16.json" 2>&1 \

@@ -1,7 +1,7 @@
 """Where a jax_impl decode step's time goes: the CPU matvec kernel against the rest of XLA's ops, from a JAX profiler
 trace of greedy decode steps run on device (embedded default model and the ~30M random checkpoint):
 
-    python bench/jax_profile.py [--models default 30m] [--steps 50] [--top 12] [--matvec auto|xla]
+    python -m bench.jax_profile [--models default 30m] [--steps 50] [--top 12] [--matvec auto|xla]
 
 Per model: the step's wall time (untraced, best of 3), then from two traced runs the kernel's calls, time and the
 bandwidth it streams the weights at, the other XLA ops (count, time, the most expensive kinds), and the time no op

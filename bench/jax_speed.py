@@ -1,7 +1,7 @@
 """jax_impl's speed, measured side by side in one run on the embedded default model and the ~30M-parameter random
 checkpoint (bench/checkpoints.py), batch 1, greedy, a 64-token prompt that invites copying, 128 new tokens:
 
-    python bench/jax_speed.py [--models default 30m] [--repeats 3] [--dtype float32] [--engines ...]
+    python -m bench.jax_speed [--models default 30m] [--repeats 3] [--dtype float32] [--engines ...]
 
 1. plain decode: tok/s of reference.py, jax_impl, jax_impl with XLA's dot for every product (jax-xla-dot: without
    the CPU matvec kernel), llama.cpp and transformers, and the memory-bandwidth roofline (weight bytes read per

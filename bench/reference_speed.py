@@ -1,7 +1,7 @@
 """reference.py decode speed next to transformers', measured side by side in one run, plus the Qwen3.5-0.8B-shaped
 random checkpoint (prefill 128, decode 16) on this machine.
 
-    python bench/reference_speed.py [--skip-0.8b]
+    python -m bench.reference_speed [--skip-0.8b]
 
 Each measurement runs in its own process (so peak memory is its own), batch 1, fp32, greedy, EOS ignored.
 """

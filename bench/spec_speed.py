@@ -1,7 +1,7 @@
 """Speculative decoding in reference.py: tokens per target call, acceptance by draft position and wall-clock speedup
 over plain decoding per drafter, and the two rollback strategies (memory held, rollback time), measured side by side.
 
-    python bench/spec_speed.py [--models default 30m] [--new-tokens 96] [--out bench/_out]
+    python -m bench.spec_speed [--models default 30m] [--new-tokens 96] [--out bench/_out]
 
 Greedy, fp32, batch 1; the speculative tokens are checked equal to plain decoding's. Speedup = plain decode time /
 speculative decode time, prefill excluded from both. Writes spec_speed.json and, with matplotlib, spec_speed.png.

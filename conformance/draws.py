@@ -11,10 +11,10 @@ false-alarm rate, and the number of draws, the least of DRAWS for which the test
 
 import numpy as np
 
-import reference as R
-from conformance import rules
-from conformance.format import TOLERANCES, Case, Output
-from conformance.golden import CANDIDATES, rng_for
+from . import reference as R
+from . import rules
+from .format import TOLERANCES, Case, Output
+from .golden import CANDIDATES, rng_for
 
 TEST = TOLERANCES["draws"]
 DRAWS = (250, 500, 1000, 2000, 4000, 8000, 16000)

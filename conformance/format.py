@@ -20,7 +20,8 @@ import safetensors.numpy
 SUITE_VERSION = 4          # bump on any change to the format or to what a case means (INTERPRETING.md)
 REGENERATE = "python -m conformance generate"
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent         # checkpoint paths in manifests are relative to the repository root
+ROOT = HERE.parent         # checkpoint paths in manifests are relative to this: the repository root in a clone,
+                           # the qwen35 package of the installed kit (which holds weights/ too)
 CASES_DIR = HERE / "cases"
 MANIFEST, INPUTS, EXPECTED = "case.json", "inputs.safetensors", "expected.safetensors"
 TOLERANCES = json.loads((HERE / "tolerances.json").read_text())
@@ -80,14 +81,41 @@ FEATURES = {
     "mtp_weights": "checkpoint also holds mtp.* tensors, which a plain forward ignores",
 }
 
+# Named groups of features: an engine may declare a group, and an expectations file may give one reason for a whole
+# group (a feature's own entry takes precedence over its group's).
+FEATURE_GROUPS = {
+    "ops": ("rms_norm", "rms_norm_gated", "l2norm", "rope", "causal_conv1d"),
+    "layers": ("deltanet_layer", "attention_layer", "mlp_layer", "moe_layer"),
+    "rollback": ("rollback:per-position", "rollback:replay"),
+    "acceptance": ("accept:greedy", "accept:sampling"),
+    "speculative_decoding": ("speculative", "rollback:per-position", "rollback:replay", "accept:greedy",
+                             "accept:sampling"),
+    "serving": ("trace", "snapshot"),
+    "statistical_pack": ("draws", "accept:draws"),
+    "checkpoint_layouts": ("moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims", "conv_kernel_3",
+                           "partial_rotary_0.5", "multimodal_layout", "per_expert_weights", "mtp_weights"),
+}
+
+
+def features_named(names):
+    """Feature and group names -> {feature: the name that brought it in}, a feature named itself winning over its
+    group. Raises ValueError naming what is neither."""
+    unknown = sorted(str(n) for n in names if n not in FEATURES and n not in FEATURE_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown features {unknown} (known: the features of conformance/format.py's FEATURES, "
+                         f"and the groups {', '.join(FEATURE_GROUPS)})")
+    named = {feature: group for group in names if group in FEATURE_GROUPS for feature in FEATURE_GROUPS[group]}
+    return {**named, **{name: name for name in names if name in FEATURES}}
+
 
 class GoldenError(Exception):
     """A case on disk is unusable: the message names the file, how to restore the shipped goldens, and the command
     that rebuilds them (for whoever changed the reference, the generator or a checkpoint)."""
 
     def __init__(self, path, problem):
-        super().__init__(f"{path}: {problem}; restore the shipped goldens (`git checkout conformance/cases weights`), "
-                         f"or after changing reference.py, the generator or weights/ rebuild them with `{REGENERATE}`")
+        super().__init__(f"{path}: {problem}; restore the shipped goldens (`git checkout conformance/cases weights`, "
+                         f"or reinstall the kit), or after changing reference.py, the generator or weights/ rebuild them "
+                         f"with `{REGENERATE}`")
 
 
 class Output(NamedTuple):

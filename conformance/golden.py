@@ -7,9 +7,9 @@ from functools import lru_cache
 
 import numpy as np
 
-import reference as R
-from conformance import rules
-from conformance.format import TOLERANCES, Output, checkpoint_dir, state_tensors
+from . import reference as R
+from . import rules
+from .format import TOLERANCES, Output, checkpoint_dir, state_tensors
 
 DRAFT_LEN = 4                     # K
 GREEDY = R.Sampling(0.0, 0, 1.0)

@@ -12,10 +12,11 @@ import types
 from pathlib import Path
 from typing import NamedTuple
 
-from conformance import runner
-from conformance.engines import ENGINES
+from . import runner
+from .engines import ENGINES
 
 SLOTS = Path(__file__).parent / "engines" / "slots.py"
+ENGINES_PACKAGE = f"{__package__}.engines"         # conformance.engines in a clone, qwen35.conformance.engines installed
 REGISTRATION = '@register_engine("slots")'
 TRACES = "^trace-"
 
@@ -151,7 +152,8 @@ def mutated_source(mutant, source):
 
 def register(mutant):
     """Runs the mutated slots.py as a new module (the real one is untouched) -> the engine name it registered."""
-    module = types.ModuleType(f"conformance.engines.slots_mutant_{mutant.name.replace('-', '_')}")
+    module = types.ModuleType(f"{ENGINES_PACKAGE}.slots_mutant_{mutant.name.replace('-', '_')}")
+    module.__package__ = ENGINES_PACKAGE      # slots.py imports relatively
     exec(compile(mutated_source(mutant, SLOTS.read_text()), f"<slots.py, mutant {mutant.name}>", "exec"),
          module.__dict__)
     return engine_name(mutant)

@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-import reference as R
+from . import reference as R
 
 
 class Parts(NamedTuple):

@@ -1,5 +1,5 @@
 """Run the cases against one engine: drive it as each case's kind says, compare outputs within the declared
-tolerances, weigh the results against expectations/<engine>.json, print a table, optionally write a JSON report."""
+tolerances, weigh the results against the engine's expectations, print a table, optionally write a JSON report."""
 
 import fnmatch
 import json
@@ -13,11 +13,11 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-import reference as R
-from conformance.draws import bin_totals, chi_square
-from conformance.engines import get_engine
-from conformance.format import (CASES_DIR, EXPECTED, FEATURES, HERE, INPUTS, PRECISIONS, ROOT, SUITE_VERSION,
-                                case_dirs, read_manifest, read_tensors, trace_batches)
+from . import reference as R
+from .draws import bin_totals, chi_square
+from .engines import get_engine
+from .format import (CASES_DIR, EXPECTED, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs, features_named, read_manifest,
+                     read_tensors, trace_batches)
 
 OUT_DIR = HERE / "_out"           # actual outputs of failing cases, for inspection
 SHOWN_MISMATCHES = 5
@@ -223,11 +223,48 @@ def compare(spec, actual, expected, others=None, attrs=None):
 # ----------------------------------------------------------------------------------------------------------------
 # Expectations and results.
 
-def load_expectations(engine_name):
-    """expectations/<engine>.json: {"unsupported": {feature: {reason, evidence}}, "known_failures": {case glob:
-    {expected: FAIL or ERROR, reason, evidence}}}. No file means: everything declared passes."""
-    path = HERE / "expectations" / f"{engine_name}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+class ExpectationsError(ValueError):
+    """Expectations that cannot be used: one line on the command line, exit 2."""
+
+
+def own_expectations(engine):
+    """The engine's expectations file: its `expectations` attribute (a path: how an engine in another package ships
+    its own), else expectations/<name>.json of a shipped adapter. None: every declared feature must pass."""
+    path = getattr(engine, "expectations", None)
+    if path is None and re.fullmatch(r"[a-z][a-z0-9_]*", engine.name):
+        path = HERE / "expectations" / f"{engine.name}.json"
+        return path if path.is_file() else None
+    return path
+
+
+def read_expectations(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ExpectationsError(f"{path}: cannot read it ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExpectationsError(f"{path}: not JSON ({e})") from None
+
+
+def checked_expectations(data, source):
+    """{"unsupported": {feature or group: {reason, evidence}}, "known_failures": {case name or glob: {expected: FAIL
+    or ERROR, reason, evidence}}} -> ({feature: its entry}, known failures). A group's entry covers each of its
+    features that has no entry of its own."""
+    if not isinstance(data, dict):
+        raise ExpectationsError(f"{source}: expected a JSON object")
+    unsupported, known = data.get("unsupported", {}), data.get("known_failures", {})
+    if not (isinstance(unsupported, dict) and all(isinstance(entry, dict) and isinstance(entry.get("reason"), str)
+                                                  for entry in unsupported.values())):
+        raise ExpectationsError(f"{source}: `unsupported` must map features to {{\"reason\": ..., \"evidence\": ...}}")
+    if not (isinstance(known, dict) and all(isinstance(entry, dict) and entry.get("expected") in ("FAIL", "ERROR")
+                                            and isinstance(entry.get("reason"), str) for entry in known.values())):
+        raise ExpectationsError(f"{source}: `known_failures` must map case names or globs to {{\"expected\": "
+                                "\"FAIL\" or \"ERROR\", \"reason\": ..., \"evidence\": ...}")
+    try:
+        named = features_named(unsupported)
+    except ValueError as e:
+        raise ExpectationsError(f"{source}: `unsupported` names {e}") from None
+    return {feature: unsupported[name] for feature, name in named.items()}, known
 
 
 class Result(NamedTuple):
@@ -241,11 +278,11 @@ class Result(NamedTuple):
     outputs: dict
 
 
-def skip_result(name, missing, unsupported, engine_name):
+def skip_result(name, missing, unsupported):
     unexplained = [f for f in missing if f not in unsupported]
     if unexplained:
-        return Result(name, "SKIP", True, f"lacks {', '.join(unexplained)}, with no reason recorded in "
-                      f"expectations/{engine_name}.json", None, None, (), {})
+        return Result(name, "SKIP", True, f"lacks {', '.join(unexplained)}, with no reason recorded in the "
+                      "engine's expectations", None, None, (), {})
     reasons = dict.fromkeys(unsupported[f]["reason"] for f in missing)
     return Result(name, "SKIP", False, f"lacks {', '.join(missing)}: {' / '.join(reasons)}", None, None, (), {})
 
@@ -258,11 +295,11 @@ def outputs_named(names, specs):
     return ", ".join(f"{kinds.count(kind)} {kind} outputs" for kind in dict.fromkeys(kinds))
 
 
-def run_case(engine, folder, meta, unsupported, known_failures, load_model):
+def run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir):
     name = meta["name"]
     missing = [f for f in meta["features"] if f not in engine.features]
     if missing:
-        return skip_result(name, missing, unsupported, engine.name)
+        return skip_result(name, missing, unsupported)
     specs = {out: at_precision(spec, engine.precision) for out, spec in meta["outputs"].items()}
     uncompared = sorted(out for out, spec in specs.items() if not spec.get("compared", True))
     if uncompared and all(spec["tolerance"] == "exact" for out, spec in specs.items() if out not in uncompared):
@@ -296,14 +333,19 @@ def run_case(engine, folder, meta, unsupported, known_failures, load_model):
         unexpected = status in ("FAIL", "ERROR")
     floats = [c for c in compared.values() if c.max_abs is not None]
     if status == "FAIL":
-        save_actual(engine.name, name, actual)
+        save_actual(out_dir, engine.name, name, actual)
     return Result(name, status, unexpected, "; ".join(notes),
                   max((c.max_abs for c in floats), default=None), max((c.rel for c in floats), default=None), details,
                   {out: c._asdict() for out, c in compared.items()})
 
 
-def save_actual(engine_name, case_name, actual):
-    folder = OUT_DIR / engine_name
+def actual_dir(out_dir, engine_name):
+    """Where the outputs of an engine's failing cases go (`exec:./engine --flag` is an engine name too)."""
+    return Path(out_dir) / re.sub(r"[^A-Za-z0-9_.-]+", "_", engine_name)
+
+
+def save_actual(out_dir, engine_name, case_name, actual):
+    folder = actual_dir(out_dir, engine_name)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {n: np.ascontiguousarray(a) for n, a in actual.items() if isinstance(a, np.ndarray)}
     safetensors.numpy.save_file(tensors, str(folder / f"{case_name}.safetensors"))
@@ -351,21 +393,29 @@ def seeded(meta, seed):
 
 
 def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None,
-        fail_fast=False, statistical=False, seed=0):
-    """Returns (results, exit code): 1 when any result is unexpected. `expectations` defaults to the engine's file;
-    the table goes to `out` (stdout), progress lines to `progress` (stderr). fail_fast: stop after the first
+        out_dir=OUT_DIR, timeout=None, fail_fast=False, statistical=False, seed=0):
+    """Returns (results, exit code): 1 when any result is unexpected. `engine_name`: anything get_engine takes (a
+    name, package.module:Class, exec:COMMAND; `timeout` is a process engine's per-request limit). `expectations`: a
+    dict or a JSON file, by default the engine's own (own_expectations). The table goes to `out` (stdout), progress
+    lines to `progress` (stderr), outputs of failing cases to `out_dir`/<engine>/. fail_fast: stop after the first
     unexpected result (the results then end with it). statistical: run the statistical pack (`sample` mode), its
     engine seeded from `seed`, instead of the other cases."""
     out, progress = out or sys.stdout, progress or sys.stderr
-    engine = get_engine(engine_name)
-    expectations = load_expectations(engine_name) if expectations is None else expectations
-    unsupported, known_failures = expectations.get("unsupported", {}), expectations.get("known_failures", {})
-    unknown = sorted(set(unsupported) - set(FEATURES))
-    if unknown:
-        raise ValueError(f"expectations for {engine_name}: `unsupported` names unknown features {unknown}")
-    if engine.precision not in PRECISIONS:
-        raise ValueError(f"engine {engine_name}: precision {engine.precision!r}, expected one of "
-                         f"{', '.join(PRECISIONS)}")
+    engine = get_engine(engine_name, timeout)
+    try:
+        return run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir,
+                          fail_fast, statistical, seed)
+    finally:
+        engine.close()
+
+
+def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir, fail_fast=False,
+               statistical=False, seed=0):
+    if expectations is None:
+        expectations = own_expectations(engine)
+    source = expectations if isinstance(expectations, (str, Path)) else None
+    data = read_expectations(source) if source else {} if expectations is None else expectations
+    unsupported, known_failures = checked_expectations(data, source or "the expectations given")
     cases = [(folder, seeded(meta, seed) if statistical else meta)
              for folder, meta in select_cases(cases_dir, pattern, statistical)]
     models = {}
@@ -377,7 +427,7 @@ def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectation
 
     results = []
     for i, (folder, meta) in enumerate(cases, 1):
-        results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model))
+        results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir))
         print(f"[{i}/{len(cases)}] {results[-1].status:<5} {meta['name']}", file=progress, flush=True)
         if fail_fast and results[-1].unexpected:
             break
@@ -386,11 +436,13 @@ def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectation
     unexpected = [r.name for r in results if r.unexpected]
     print(f"\n{engine_name}: {len(results)} cases: " + ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
           + (f"; {len(unexpected)} unexpected (marked !)" if unexpected else "; all as expected"), file=out)
+    if counts["FAIL"]:
+        print(f"outputs of the failing cases: {actual_dir(out_dir, engine.name)}", file=out)
     if report:
         Path(report).write_text(json.dumps({
             "suite_version": SUITE_VERSION, "engine": engine_name, "precision": engine.precision,
             "mode": "sample" if statistical else "run", **({"seed": seed} if statistical else {}),
-            "features": sorted(engine.features),
+            "features": sorted(engine.features), "expectations": source and str(source),
             "summary": {**counts, "unexpected": unexpected},
             "cases": [{"name": r.name, "status": r.status, "unexpected": r.unexpected, "note": r.note,
                        "max_abs_error": r.max_abs, "rel_error": r.rel, "details": list(r.details),

@@ -7,14 +7,35 @@ Engine verbs (the conformance adapter's): load; empty_state(cfg, capacity); pref
 -> logits, hidden, state, tapes; decode(params, cfg, token, state) -> logits, hidden, state (state donated);
 verify(params, cfg, tokens, state, strategy) -> logits, hidden, state after all, kept states or tapes;
 commit(strategy, before, after, kept, n) -> the state after the first n verified positions (rollback.py).
+
+JAX is the `jax` extra. The verbs are imported from their modules on first use, so that importing this package
+needs no JAX and `python -m jax_impl` can say in one line that it is missing.
 """
 
-from .gated_delta import gated_delta_chunked, gated_delta_recurrent, gated_delta_step
-from .model import (commit, decode, empty_kv, empty_state, forward, forward_hidden, kv_from_reference,
-                    kv_to_reference, lm_head, prefill, verify)
-from .rollback import (commit_per_position, commit_replay, conv_window, conv_windows, delta_states,
-                       keep_per_position, replay)
-from .sharding import initialize_distributed, make_mesh
-from .spec_decode import (accept_greedy, accept_speculative, generate, generate_device, mtp_hidden, probabilities,
-                          prompt_lookup, sample)
-from .weights import load, to_jax
+import importlib
+
+# reference.py, the spec, sits beside this package: top-level in a clone, qwen35.reference in the installed kit
+# (conformance/__init__.py says more).
+if __name__ == "jax_impl":
+    import reference
+else:
+    from .. import reference
+
+EXPORTS = {
+    "gated_delta": ("gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step"),
+    "model": ("commit", "decode", "empty_kv", "empty_state", "forward", "forward_hidden", "kv_from_reference",
+              "kv_to_reference", "lm_head", "prefill", "verify"),
+    "rollback": ("commit_per_position", "commit_replay", "conv_window", "conv_windows", "delta_states",
+                 "keep_per_position", "replay"),
+    "sharding": ("initialize_distributed", "make_mesh"),
+    "spec_decode": ("accept_greedy", "accept_speculative", "generate", "generate_device", "mtp_hidden",
+                    "probabilities", "prompt_lookup", "sample"),
+    "weights": ("load", "to_jax"),
+}
+MODULE_OF = {name: module for module, names in EXPORTS.items() for name in names}
+
+
+def __getattr__(name):
+    if name not in MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{MODULE_OF[name]}", __name__), name)

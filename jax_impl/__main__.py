@@ -12,15 +12,21 @@ import contextlib
 import os
 import sys
 
-import jax
-import numpy as np
+from . import reference
 
-import reference
-from . import matvec
-from .model import empty_state, prefill
-from .sharding import initialize_distributed, make_mesh
-from .spec_decode import generate
-from .weights import DTYPES, load
+try:                # JAX is the `jax` extra: without it main() says so in one line
+    import jax
+    import numpy as np
+
+    from . import matvec
+    from .model import empty_state, prefill
+    from .sharding import initialize_distributed, make_mesh
+    from .spec_decode import generate
+    from .weights import DTYPES, load
+except ModuleNotFoundError as e:
+    missing_jax = reference.missing_extra(e, "jax", "python -m jax_impl")
+else:
+    missing_jax = None
 
 
 def add_flags(parser):
@@ -96,6 +102,9 @@ JAX = reference.Backend(
 
 
 def main(argv=None):
+    if missing_jax:
+        print(f"error: {missing_jax}", file=sys.stderr)
+        return 2
     return reference.main(argv, JAX)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from reference import UserError
+from . import reference
 
 SOURCE = Path(__file__).with_name("kernels") / "matvec.cc"
 MAX_ROWS = 16        # decode (1 row) and verify (K+1 rows); more rows are a matrix product XLA does well
@@ -34,7 +34,7 @@ mode = os.environ.get("JAX_IMPL_MATVEC", "auto")  # read when a function is trac
 
 def checked(value):
     if value not in MODES:
-        raise UserError(f"--matvec / JAX_IMPL_MATVEC {value}: expected one of {', '.join(MODES)}")
+        raise reference.UserError(f"--matvec / JAX_IMPL_MATVEC {value}: expected one of {', '.join(MODES)}")
     return value
 
 

@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from reference import AttnState, DeltaState, State, Tape
-from . import rollback
+from . import reference, rollback
 from .gated_delta import gated_delta_chunked, gated_delta_step, value_head_queries_keys
 from .matvec import matmul, matmuls
+
+AttnState, DeltaState, State, Tape = reference.AttnState, reference.DeltaState, reference.State, reference.Tape  # the spec's types
 
 f32 = jnp.float32
 

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from reference import DeltaState, KeptStates, State
+from . import reference
+
+DeltaState, KeptStates, State = reference.DeltaState, reference.KeptStates, reference.State  # the spec's types
 
 
 def conv_window(window, qkv, n):  # (W-1, C), (T, C), traced n -> (W-1, C): the conv window after n of the T steps

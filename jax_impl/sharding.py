@@ -12,7 +12,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from reference import AttnState, DeltaState, State, UserError
+from . import reference
+
+AttnState, DeltaState, State = reference.AttnState, reference.DeltaState, reference.State  # the spec's types
 
 TP = "tp"
 
@@ -33,7 +35,7 @@ def make_mesh(devices=None):
     available = jax.devices()
     count = len(available) if devices is None else devices
     if not 1 <= count <= len(available):
-        raise UserError(f"--devices {count}: must be in [1, {len(available)}] (the devices JAX sees)")
+        raise reference.UserError(f"--devices {count}: must be in [1, {len(available)}] (the devices JAX sees)")
     return Mesh(np.array(available[:count]), (TP,))
 
 

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import reference
-from reference import Sampling, State
-from . import matvec
+from . import matvec, reference
 from .matvec import matmul
 from .model import decoder_layer, empty_kv, empty_state, forward_hidden, lm_head, rms_norm, verify_forward
 from .rollback import commit
 from .sharding import constrain_state, fetch, put, replicated
+
+Sampling, State = reference.Sampling, reference.State  # the spec's types
 
 f32 = jnp.float32
 

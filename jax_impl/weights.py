@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import reference
+from . import reference
 from .sharding import param_sharding, put
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -50,6 +50,24 @@ def test_draft_flags_give_the_plain_greedy_tokens_and_stats(model, draft):
         assert "accepted" in run.stderr and "tokens/call" in run.stderr
 
 
+def test_the_json_stats_are_the_keys_the_readme_lists():
+    """README, "The command line": the keys of each mode, exactly."""
+    common = {"prompt_tokens", "new_tokens", "target_calls", "tokens_per_call", "seconds"}
+    plain = json.loads(cli("--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json").stdout)["stats"]
+    assert set(plain) == common and set(plain["seconds"]) == {"prefill", "decode", "total"}
+    speculative = json.loads(cli("--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json", "--draft", "ngram",
+                                 "--draft-len", "3").stdout)["stats"]
+    assert set(speculative) == common | {"proposed", "accepted", "accepted_by_position", "proposed_by_position",
+                                         "rollback", "rollback_bytes"}
+    assert set(speculative["seconds"]) == {"prefill", "draft", "verify", "rollback", "total"}
+    assert len(speculative["accepted_by_position"]) == len(speculative["proposed_by_position"]) == 3
+
+
+def test_the_default_seed_is_0():
+    sampled = ("--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--temperature", "1", "--json")
+    assert json.loads(cli(*sampled).stdout)["tokens"] == json.loads(cli(*sampled, "--seed", "0").stdout)["tokens"]
+
+
 def test_prompt_ids_work_without_a_tokenizer(tmp_path):
     model = tmp_path / "model"
     shutil.copytree(DEFAULT, model)

@@ -1,13 +1,17 @@
 """The conformance runner against the shipped engines, and against small adapters that show what it catches."""
 
+import json
+import re
+
 import numpy as np
 import pytest
 
 import reference as R
 from conformance import runner
-from conformance.engines import Engine, register_engine
+from conformance.engines import Engine, EngineError, get_engine, register_engine
 from conformance.engines.reference import Reference
-from conformance.format import CASES_DIR, FEATURES, TOLERANCES, case_dirs, read_manifest
+from conformance.format import CASES_DIR, FEATURE_GROUPS, FEATURES, TOLERANCES, case_dirs, features_named, read_manifest
+from conftest import ROOT
 
 
 def run_quietly(engine, capsys, **kwargs):
@@ -150,7 +154,7 @@ def test_a_bf16_engine_is_compared_with_the_bf16_profile(capsys):
 
 def test_an_unknown_precision_is_refused(capsys, monkeypatch):
     monkeypatch.setattr(Bf16, "precision", "fp8")
-    with pytest.raises(ValueError, match="precision 'fp8'"):
+    with pytest.raises(EngineError, match="precision 'fp8'"):
         runner.run("test_bf16", pattern="^op-l2norm$")
 
 
@@ -243,3 +247,68 @@ def test_mtp_cases_catch_the_heads_usual_mistakes(engine, failing, capsys):
     results, code, out = run_quietly(engine, capsys, pattern="^mtp-", expectations={})
     assert code == 1 and len(results) == 3 and {r.status for r in results.values()} == {"FAIL"}, out
     assert all(any(failing in line for line in r.details) for r in results.values()), out
+
+
+def test_feature_groups_expand_and_a_feature_named_itself_wins():
+    named = features_named(["ops", "rope", "serving"])
+    assert set(named) == {*FEATURE_GROUPS["ops"], "trace", "snapshot"}
+    assert named["rope"] == "rope" and named["l2norm"] == "ops" and named["trace"] == "serving"
+    with pytest.raises(ValueError, match=r"unknown features \['opps'\]"):
+        features_named(["opps"])
+
+
+def test_one_reason_for_a_group_covers_its_features(capsys):
+    expectations = {"unsupported": {"ops": {"reason": "no primitives"}, "rope": {"reason": "no rotary"}}}
+    results, code, _ = run_quietly("test_minimal", capsys, pattern="^op-", expectations=expectations)
+    assert code == 0
+    assert results["op-l2norm"].note == "lacks l2norm: no primitives"
+    assert results["op-rope-Dh20-partial0.5"].note == "lacks rope: no rotary"
+
+
+class OutOfTree(Reference):
+    """An engine that no one registered, named by module and class; features given as groups."""
+    features = frozenset({"ops", "gated_delta_rule"})
+
+
+def test_an_engine_named_by_module_and_class_with_its_own_expectations_file(capsys, tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text('{"unsupported": {"layers": {"reason": "no layers"}, "checkpoint_layouts": {"reason": "no layers"}}}')
+    results, code, out = run_quietly("test_conformance:OutOfTree", capsys, pattern="^(op|gdr|layer)-",
+                                     expectations=path, report=tmp_path / "report.json")
+    assert code == 0, out
+    assert {n for n, r in results.items() if r.status == "PASS"} == {n for n in results if not n.startswith("layer-")}
+    layers = [r for n, r in results.items() if n.startswith("layer-")]
+    assert len(layers) == 7 and all(r.status == "SKIP" and r.note.endswith(": no layers") for r in layers)
+    assert json.loads((tmp_path / "report.json").read_text())["expectations"] == str(path)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module:Engine", "no module 'no_such_module' (install its package, or put its folder on PYTHONPATH)"),
+    ("test_conformance:Nope", "module test_conformance has no 'Nope'"),
+    ("test_conformance:Crash", None),
+    ("json:JSONDecoder", "`features` must be a set of feature names, not None"),
+    ("json:loads", "creating <function loads"),
+])
+def test_engines_named_wrongly_are_one_line_errors(spec, message):
+    if message is None:         # a class that is fine: no error
+        assert get_engine(spec).features == {"l2norm"}
+        return
+    with pytest.raises(EngineError, match=re.escape(message)):
+        get_engine(spec)
+
+
+@pytest.mark.parametrize("expectations, message", [
+    ({"unsupported": {"rmsnorm": {"reason": "-"}}}, "`unsupported` names unknown features ['rmsnorm']"),
+    ({"unsupported": {"rms_norm": "no"}}, "`unsupported` must map features to"),
+    ({"known_failures": {"op-*": {"expected": "PASS", "reason": "-"}}}, "`known_failures` must map"),
+    ([], "expected a JSON object"),
+])
+def test_unusable_expectations_are_refused(expectations, message):
+    with pytest.raises(runner.ExpectationsError, match=re.escape(message)):
+        runner.run("reference", pattern="^op-l2norm$", expectations=expectations)
+
+
+def test_the_shipped_expectations_files_are_usable():
+    for path in sorted((ROOT / "conformance" / "expectations").glob("*.json")) + [
+            ROOT / "conformance" / "examples" / "ops_engine.json"]:
+        runner.checked_expectations(runner.read_expectations(path), path)

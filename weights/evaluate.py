@@ -1,6 +1,6 @@
 """The model card's measured figures for a trained checkpoint, on held-out text (the files train.py holds out):
 
-    python weights/evaluate.py weights/default [--prompts 24] [--new-tokens 96] [--json out.json]
+    python -m weights.evaluate weights/default [--prompts 24] [--new-tokens 96] [--json out.json]
 
 For each held-out file a prompt is cut (its first --prompt-len tokens) and continued greedily with jax_impl:
 plain decoding, the MTP head (K = 1, 2, 3), n-gram copying (K = 4), and n-gram copying backed by the seed's "free
@@ -9,16 +9,22 @@ per draft position, tokens per target call and checks that every speculative run
 then three greedy continuations of fixed prompts for the card. The chance baseline of a draft is 1 / vocabulary size.
 """
 
-import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
-import jax_impl
 import reference as R
-from weights.train import corpus
+
+try:             # JAX and optax (train.py, whose corpus this reads, trains with it) are the `jax` extra
+    import jax_impl
+    from weights.train import corpus
+except ModuleNotFoundError as e:
+    missing_jax = R.missing_extra(e, "jax", "python -m weights.evaluate")
+else:
+    missing_jax = None
 
 CARD_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", '    """Return the number of ']
 DRAFTERS = [("mtp", 1, False), ("mtp", 2, False), ("mtp", 3, False), ("ngram", 4, False), ("ngram", 4, True)]
@@ -77,15 +83,26 @@ def continuations(model_dir, tokenizer, new_tokens=48):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", type=Path)
-    ap.add_argument("--prompts", type=int, default=24)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+def parse_args(argv):
+    ap = R.OneLineParser(prog="python -m weights.evaluate", description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path, help="a trained checkpoint directory with its tokenizer.json, e.g. "
+                    "weights/default")
+    ap.add_argument("--prompts", type=int, default=24, help="held-out files to cut a prompt from (default 24)")
+    ap.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
+    ap.add_argument("--new-tokens", type=int, default=96, help="greedy tokens generated per prompt (default 96)")
+    ap.add_argument("--json", type=Path, metavar="PATH.json", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    for flag, value in (("--prompts", args.prompts), ("--prompt-len", args.prompt_len),
+                        ("--new-tokens", args.new_tokens)):
+        if value < 1:
+            raise R.UserError(f"{flag} {value}: must be >= 1")
+    return args
+
+
+def run(args):
     tokenizer = R.load_tokenizer(args.model)
+    if tokenizer is None:
+        raise R.UserError(f"{args.model}: no tokenizer.json (the prompts are cut from text)")
     cfg = R.load_config(args.model)
     train, held_out, _ = corpus()
     prompts = prompts_of(held_out, tokenizer, args.prompts, args.prompt_len)
@@ -98,5 +115,16 @@ def main():
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 
 
+def main(argv=None):
+    try:
+        if missing_jax:
+            raise missing_jax
+        run(parse_args(argv))
+    except R.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """Write the tiny random Qwen3.5 checkpoints in weights/, in the Hugging Face layout, byte for byte reproducibly
 (the embedded default model is trained instead: weights/train.py).
 
-    python weights/make_tiny.py            # rewrite all of them
-    python weights/make_tiny.py --check    # verify the committed files are what this script writes
+    python -m weights.make_tiny            # rewrite all of them
+    python -m weights.make_tiny --check    # verify the committed files are what this script writes
 
 Each checkpoint covers a layout or shape that real checkpoints have and implementations get wrong (see README.md).
 Every tensor is drawn away from its usual init (norm offsets, A_log, dt_bias too) so a wrong convention cannot hide.
@@ -144,7 +144,7 @@ def main():
             write_checkpoint(name, HERE / name)
             print(f"wrote weights/{name}")
     if stale:
-        sys.exit(f"stale checkpoints (run python weights/make_tiny.py): {', '.join(stale)}")
+        sys.exit(f"stale checkpoints (run python -m weights.make_tiny): {', '.join(stale)}")
 
 
 if __name__ == "__main__":

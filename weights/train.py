@@ -1,8 +1,8 @@
 """Train the embedded default model: a Qwen3.5-architecture model (6 Gated DeltaNet + 2 gated attention layers) with
 one MTP layer trained jointly, on the Python standard library's own source, and write it in the Hugging Face layout.
 
-    python weights/train.py --out weights/default            # 62 minutes on 2 CPU cores (train_log.json)
-    python weights/train.py --out /tmp/smoke --steps 3 --batch 2
+    python -m weights.train --out weights/default            # 62 minutes on 2 CPU cores (train_log.json)
+    python -m weights.train --out /tmp/smoke --steps 3 --batch 2
 
 Main loss: next token (t+1). MTP loss: the pair (hidden_t, token_{t+1}) predicts token_{t+2}, as Qwen3.5's MTP head
 is trained (weight MTP_WEIGHT). The forward is jax_impl's, mapped over the batch; the optimizer is optax AdamW.

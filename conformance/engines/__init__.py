@@ -2,7 +2,8 @@
 
 An engine that can only "load a checkpoint directory, run token ids -> logits, continue with more tokens" implements
 load, prefill and decode and declares {"prefill", "decode", "greedy"} plus the checkpoint features it handles; every
-other case is SKIP with the reason recorded in expectations/<engine>.json. INTERPRETING.md has the full contract.
+other case is SKIP with the reason recorded in its expectations file. INTERPRETING.md has the full contract; an engine
+outside Python runs as a process (process.py, INTERPRETING.md section 8).
 
 Arrays cross the interface as NumPy: token ids int64 (T,), logits float32 (T, V). `state` and `model` are whatever
 the engine likes; the runner only passes them back. Sampling settings are a dict {temperature, top_k, top_p}.
@@ -11,17 +12,28 @@ the engine likes; the runner only passes them back. Sampling settings are a dict
 import importlib
 import re
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-import reference as R
+from .. import reference as R
+from ..format import PRECISIONS, features_named
 
 ENGINES = {}
+ENTRY_POINT_GROUP = "qwen35.conformance.engines"   # where installed packages register Engine classes by name
+# The extra (pyproject.toml) that installs what each shipped adapter imports.
+EXTRAS = {"jax": "jax", "jax_bf16": "jax", "transformers": "transformers", "llama_cpp": "llama-cpp", "mlx": "mlx"}
+SHIPPED = sorted({p.stem for p in Path(__file__).parent.glob("*.py")} - {"__init__", "process"})
 
 
-class UnknownEngine(LookupError):
+class EngineError(Exception):
+    """An engine that cannot be run as asked: unknown, a dependency missing, a bad class or process (one line on the
+    command line, exit 2)."""
+
+
+class UnknownEngine(EngineError, LookupError):
     pass
 
 
@@ -33,20 +45,73 @@ def register_engine(name):
     return register
 
 
-def get_engine(name):
-    """The engine registered as `name`, importing conformance.engines.<name> on first use (so torch loads only when
-    the transformers engine is asked for)."""
-    if name not in ENGINES and re.fullmatch(r"[a-z][a-z0-9_]*", name):
+def get_engine(spec, timeout=None):
+    """The engine `spec` names, started and checked:
+        NAME                  a shipped adapter (conformance/engines/NAME.py), one registered with @register_engine,
+                              or one an installed package registers under the entry-point group ENTRY_POINT_GROUP
+        package.module:Class  an Engine subclass in any importable module
+        exec:COMMAND ARGS     a process that speaks the engine protocol (process.py); `timeout`: seconds it may take
+                              to answer one request
+    An adapter's optional dependencies are imported only when its engine is asked for."""
+    if spec.startswith("exec:"):
+        from .process import ProcessEngine
+        engine = ProcessEngine(spec[len("exec:"):], **({"timeout": timeout} if timeout else {}))
+    else:
+        cls = imported_class(spec) if ":" in spec else registered_class(spec)
+        try:
+            engine = cls()
+        except Exception as e:
+            raise EngineError(f"engine {spec}: creating {cls!r} failed: {type(e).__name__}: {e}") from None
+    return checked(engine, spec)
+
+
+def registered_class(name):
+    if name not in ENGINES and name in SHIPPED:
         try:
             importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    if name not in ENGINES:
-        shipped = {p.stem for p in Path(__file__).parent.glob("*.py") if p.stem != "__init__"}
-        raise UnknownEngine(f"no engine {name!r}; known: {', '.join(sorted(shipped | set(ENGINES)))} "
-                            f"(an adapter is conformance/engines/<name>.py with @register_engine)")
-    return ENGINES[name]()
+            raise EngineError(str(R.missing_extra(e, EXTRAS.get(name, "test"), f"engine {name}"))) from None
+    if name in ENGINES:
+        return ENGINES[name]
+    registered = {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
+    if name in registered:
+        return imported_class(registered[name].value)
+    raise UnknownEngine(f"no engine {name!r}; known: {', '.join(sorted({*SHIPPED, *ENGINES, *registered}))}, or give "
+                        "package.module:Class or exec:COMMAND (INTERPRETING.md sections 7 and 8)")
+
+
+def imported_class(spec):
+    """package.module:Class -> the class, with one-line errors for what cannot be imported."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise EngineError(f"engine {spec}: no module {e.name!r} (install its package, or put its folder on "
+                              "PYTHONPATH)") from None
+        raise EngineError(f"engine {spec}: {module_name} needs {e.name}, which is not installed") from None
+    except Exception as e:   # the engine's own module failing to import: its message, not our traceback
+        raise EngineError(f"engine {spec}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+    if not hasattr(module, attr):
+        raise EngineError(f"engine {spec}: module {module_name} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def checked(engine, spec):
+    """The engine with its features expanded from groups (format.FEATURE_GROUPS) and its precision checked."""
+    features = getattr(engine, "features", None)
+    if not isinstance(features, (set, frozenset, list, tuple)) or not all(isinstance(f, str) for f in features):
+        raise EngineError(f"engine {spec}: `features` must be a set of feature names, not {features!r:.200}")
+    try:
+        engine.features = frozenset(features_named(features))
+    except ValueError as e:
+        raise EngineError(f"engine {spec}: {e}") from None
+    precision = getattr(engine, "precision", None)
+    if precision not in PRECISIONS:
+        raise EngineError(f"engine {spec}: precision {precision!r}, expected one of {', '.join(PRECISIONS)}")
+    if getattr(engine, "name", "?") == "?":
+        engine.name = spec
+    return engine
 
 
 class Timed(NamedTuple):
@@ -81,8 +146,9 @@ class Engine:
         draws, accept:draws              draw, accept_draws (the statistical pack: `python -m conformance sample`)
     """
     name = "?"
-    features = frozenset()
+    features = frozenset() # feature names, or groups of them (format.FEATURE_GROUPS)
     precision = "fp32"     # the arithmetic (format.PRECISIONS): "bf16" compares with tolerances.json's bf16 profile
+    expectations = None    # the path of the engine's expectations file, for engines shipped in other packages
 
     def load(self, checkpoint_dir):
         """Checkpoint directory (config.json + safetensors, Hugging Face layout) -> model handle."""
@@ -168,6 +234,9 @@ class Engine:
     def copy_state(self, model, state):
         """A copy of `state` that later calls cannot change: a prefix-cache entry that new requests start from."""
         raise NotImplementedError
+
+    def close(self):
+        """Release what the engine holds once the run is over (a process engine's process)."""
 
     def target(self, model, rollback):
         """The engine as a reference.Target, which reference.speculative_round and reference.run_trace drive. A row

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_impl
-import reference as R
-from conformance.engines import Engine, Timed, layer_config, layer_params, moe_config, register_engine
-from conformance.format import FEATURES, state_tensors
-from jax_impl import model as M, spec_decode
+from .. import reference as R, sibling
+from . import Engine, Timed, layer_config, layer_params, moe_config, register_engine
+from ..format import FEATURES, state_tensors
+
+jax_impl, M, spec_decode = sibling("jax_impl"), sibling("jax_impl.model"), sibling("jax_impl.spec_decode")
 
 # Layers and the delta rule compiled, as the model runs them (primitives run op by op)
 jit = partial(jax.jit, static_argnames="cfg")

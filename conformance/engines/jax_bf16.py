@@ -1,8 +1,8 @@
 """jax_impl in bf16: the jax adapter with bf16 weights and activations (the DeltaNet rule, its state and the logits
 stay float32), compared with the bf16 tolerance profile (INTERPRETING.md section 6)."""
 
-from conformance.engines import register_engine
-from conformance.engines.jax import Jax
+from . import register_engine
+from .jax import Jax
 
 
 @register_engine("jax_bf16")

@@ -30,9 +30,9 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals as internals
 
-import reference as R
-from conformance.engines import Engine, inverse_cdf_draw, register_engine
-from conformance.format import HERE, ROOT, directory_sha256
+from .. import reference as R
+from . import Engine, inverse_cdf_draw, register_engine
+from ..format import HERE, ROOT, directory_sha256
 
 CACHE = HERE / "_out" / "cache"
 CONVERTER_ENV = "LLAMA_CPP_CONVERTER"

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_ops
 from mlx_lm.utils import load_model
 
-from conformance.engines import Engine, inverse_cdf_draw, register_engine
+from . import Engine, inverse_cdf_draw, register_engine
 
 MLX_MODULE = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}   # HF model_type -> mlx_lm.models.<module>
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-import reference as R
-from conformance.engines import Engine, layer_config, layer_params, moe_config, register_engine
-from conformance.format import FEATURES, state_tensors
+from .. import reference as R
+from . import Engine, layer_config, layer_params, moe_config, register_engine
+from ..format import FEATURES, state_tensors
 
 
 def deltanet_layer(inputs, attrs):

@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-import reference as R
-from conformance.engines import register_engine
-from conformance.engines.reference import Reference, state_tensors
+from .. import reference as R
+from . import register_engine
+from .reference import Reference, state_tensors
 
 NONE = -1                         # no committed column: the slot's state is in its base arrays
 ROWS = ("prefill", "verify")      # the steps that run the model; the others are bookkeeping

@@ -20,8 +20,8 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 from transformers.utils import logging
 
-from conformance.engines import Engine, register_engine
-from conformance.format import FEATURES
+from . import Engine, register_engine
+from ..format import FEATURES
 
 
 def tensor(a):
