@@ -1,4 +1,5 @@
-"""Random benchmark checkpoints, written on demand (never committed) into a cache folder.
+"""Random benchmark checkpoints, written on demand (never committed) into a cache folder; and random weights of the
+published shapes made on the device (random_model), where a checkpoint would take long to write and read.
 
 Shapes: `0.8b` is Qwen3.5-0.8B (docs/architecture.md, "Published configurations"; fp32 about 3.2 GB), `30m` is
 a ~30M-parameter model (hidden 512, 8 layers, vocab 8192), `30m-draft` a small drafter with the same vocabulary.
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import reference as R
-from weights.make_tiny import write_random_checkpoint
+from weights.make_tiny import BASE, write_random_checkpoint
 
 CACHE = Path(os.environ.get("QWEN35_BENCH_CACHE", "/tmp/qwen35-bench"))
 
@@ -45,6 +46,15 @@ def checkpoint(name):
 def model_dir(name):
     """The benchmarks' checkpoint `name`: "default" is the embedded default model, the rest are random (SHAPES)."""
     return R.DEFAULT_MODEL if name == "default" else checkpoint(name)
+
+
+def random_model(name, dtype):
+    """(Config, jax_impl weights) of shape `name`, a published configuration (bench/costmodel.py PUBLISHED: "0.8B",
+    "9B", ...) or one of SHAPES, its weights random and made on the device: for timing only."""
+    from bench.costmodel import PUBLISHED, published_config
+    from jax_impl.weights import random_params
+    cfg = published_config(name) if name in PUBLISHED else R.config_from_dict({**BASE, **SHAPES[name]})
+    return cfg, random_params(cfg, dtype)
 
 
 def label(name):

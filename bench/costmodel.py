@@ -450,3 +450,55 @@ def speedup(cfg, K, a, design, s):
 def best_k(cfg, a, design, s, max_k=32):
     """(K, speedup) with the highest predicted speedup for K in 1 .. max_k."""
     return max(((K, speedup(cfg, K, a, design, s)) for K in range(1, max_k + 1)), key=lambda r: r[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Serving: B sequences decoded at once (jax_impl.serving). Every pass carries B rows per token position, so the
+# weights are read once for B*T rows: tokens/s grows with B while the weight bytes dominate, and stops growing once
+# the passes turn compute-bound. Speculation multiplies the rows of a pass by K+1 for (1 - a^(K+1)) / (1 - a) tokens
+# a row, so it stops paying at a smaller batch than plain decoding stops scaling.
+
+def matmul_times(cfg, T, s):
+    """(FLOP seconds, weight-streaming seconds) of the weight matmuls (projections, MLP or experts, lm_head) of one
+    forward over T tokens of each of s.batch sequences."""
+    kernels = [k for k in forward_kernels(cfg, T, s.context, s.p, s.batch) if k.weight_bytes]
+    return (sum(k.flops for k in kernels) / s.hw.flops,
+            sum(k.weight_bytes / s.hw.weight_bandwidth(k.rows) + k.act_bytes / s.hw.bandwidth for k in kernels))
+
+
+def compute_bound_batch(cfg, T, s, limit=1 << 16):
+    """The smallest batch at which the weight matmuls of a pass of T tokens a sequence spend more time on FLOPs
+    than on reading their weights (None up to `limit`): where plain decoding (T = 1) stops gaining from a bigger
+    batch, and verifying K drafts (T = K+1) stops costing about one decode step. Per-sequence bytes (KV cache,
+    DeltaNet state) grow with the batch whatever it is and are left out: at long contexts they bound a step first."""
+    def compute_bound(B):
+        flops, memory = matmul_times(cfg, T, replace(s, batch=B))
+        return flops >= memory
+    B = 1
+    while not compute_bound(B):
+        B *= 2
+        if B > limit:
+            return None
+    low = B // 2 + 1
+    while low < B:   # bisect between the last memory-bound power of two and B
+        mid = (low + B) // 2
+        low, B = (low, mid) if compute_bound(mid) else (mid + 1, B)
+    return B
+
+
+def serving_tokens_per_second(cfg, s, K=0, a=0.0, design="replay"):
+    """Tokens/s of s.batch sequences decoded together: plain (K = 0) one token a row per decode pass; speculative,
+    expected_tokens(a, K) a row per round (draft, verify, commit of every row)."""
+    if K == 0:
+        return s.batch / decode_seconds(cfg, s)
+    return s.batch * expected_tokens(a, K) / cycle_seconds(cfg, K, a, design, s)
+
+
+def acceptance_of(tokens_per_call, K):
+    """The per-draft acceptance a whose expected tokens per verify, (1 - a^(K+1)) / (1 - a), is tokens_per_call
+    (bisection; expected_tokens grows with a from 1 to K+1)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_tokens(mid, K) < tokens_per_call else (low, mid)
+    return (low + high) / 2

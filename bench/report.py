@@ -2,6 +2,7 @@
 the measured section is a pure function of bench/costmodel.py, so it is the same on every run and machine."""
 
 import json
+from dataclasses import replace
 
 from bench import costmodel as M
 from weights.plots import pyplot
@@ -234,6 +235,43 @@ def reasons_section():
 """
 
 
+SERVING_BATCHES = (1, 4, 16, 64, 256)
+SERVING_CONTEXT = 1024
+
+
+def serving_section(K=4, a=0.7):
+    """Tokens/s of a batch (costmodel.serving_tokens_per_second) and where its passes turn compute-bound."""
+    rows = []
+    for name in ("0.8B", "9B"):
+        cfg = M.published_config(name)
+        s = M.Setting(M.H200, M.BF16, SERVING_CONTEXT)
+        for drafter in ("free", "mtp"):
+            plain = [M.serving_tokens_per_second(cfg, replace(s, batch=B)) for B in SERVING_BATCHES]
+            spec = [M.serving_tokens_per_second(cfg, replace(s, batch=B, drafter=drafter), K, a)
+                    for B in SERVING_BATCHES]
+            rows.append([name, f"{drafter} drafter"] + [f"{p:,.0f} / {x:,.0f} ({x / p:.2f}x)"
+                                                         for p, x in zip(plain, spec)])
+    bound = [[name] + [str(M.compute_bound_batch(M.published_config(name), T, M.Setting(M.H200, M.BF16,
+                                                                                     SERVING_CONTEXT)))
+                       for T in (1, 2, 5, 9)] for name in ("0.8B", "9B")]
+    return f"""## Serving: a batch of B sequences
+
+Every pass carries B rows per token position, so a batch reads the weights once for B·T rows: tokens/s grows with B
+while weight bytes dominate, then stops once the matmuls turn compute-bound; per-sequence bytes (KV cache, DeltaNet
+state, rollback) grow with B all along. Speculation multiplies a pass's rows by K+1 for (1 − a^(K+1)) / (1 − a)
+tokens a row, so it stops paying at a smaller batch than plain decoding stops scaling
+(`costmodel.serving_tokens_per_second`, `compute_bound_batch`). H200, bf16, {SERVING_CONTEXT}-token context,
+replay rollback, K = {K}, a = {a}; plain / speculative tokens/s (speculative / plain):
+
+{table(["model", "drafter"] + [f"B = {B}" for B in SERVING_BATCHES], rows)}
+
+The batch at which the weight matmuls of a pass turn compute-bound, by tokens per sequence T (T = 1: plain decoding;
+T = K+1: a verify of K drafts):
+
+{table(["model", "T = 1", "T = 2", "T = 5", "T = 9"], bound)}
+"""
+
+
 def memory_table():
     rows = []
     for name in ("0.8B", "9B", "27B", "35B-A3B"):
@@ -389,6 +427,34 @@ def memory_plot(plt, path):
     return save(plt, fig, path)
 
 
+def serving_plot(path, measured):
+    """bench/serving_speed.py's figures (its --json): measured tokens/s by batch beside the cost model's prediction
+    (bench/costmodel.serving_tokens_per_second on the matmul rates measured in the same run, speculative figures at
+    their measured acceptance), per checkpoint and drafter."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    plt.rcParams.update({"font.size": 8})
+    models, args = measured["models"], measured["args"]
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    for ax, (name, figures) in zip(axes[0], models.items()):
+        for (draft, cells), color in zip(figures["batched"].items(), ("tab:blue", "tab:orange", "tab:green")):
+            Bs = [c["B"] for c in cells]
+            ax.plot(Bs, [c["tok_s"] for c in cells], "o-", color=color, label=f"{draft}: measured")
+            ax.plot(Bs, [c["predicted"] for c in cells], "--", color=color, alpha=0.7, label=f"{draft}: predicted")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(Bs, [str(B) for B in Bs])
+        ax.set_xlabel("batch B (requests decoded at once)")
+        ax.set_title(f"{name}, {args['dtype']}")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("tokens/s")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"jax_impl serving on {measured['device']}: measured vs the cost model (drafters: none, ngram, mtp; "
+                 f"K = {args['draft_len']}, replay; speculative predictions at the measured acceptance)")
+    return save(plt, fig, path)
+
+
 def measured_plot(plt, path, rows):
     figures = list(dict.fromkeys(r["figure"] for r in rows))
     runs = list(dict.fromkeys((r["engine"], r["model"]) for r in rows))
@@ -421,7 +487,7 @@ def write(out, measured=None):
              "the CPU check). Model: bench/costmodel.py.\n", assumptions(), published_table(),
              "## Decode vs verify, per layer kind\n\n" + "\n\n".join(layer_breakdown(n) for n in FOCUS),
              verify_cost_table(), claim_section(), key_results(), key_results("mtp"), k_table(), reasons_section(),
-             memory_table()]
+             memory_table(), serving_section()]
     if measured:
         parts.append(measured_section(*measured))
         (out / "measured.json").write_text(json.dumps({"command": measured[2], "raw": measured[1], "rows": rows},

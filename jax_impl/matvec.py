@@ -1,4 +1,5 @@
-"""Products of a few activation rows with a weight matrix, x (..., K) @ W (K, N): decode's and verify's matrix work.
+"""Products of a few activation rows with a weight matrix, x (..., K) @ W (K, N): decode's and verify's matrix work,
+and a batch's (batch.py: B requests' rows of a step, up to MAX_ROWS).
 
 On a CPU with one JAX device these go to kernels/matvec.cc, a C++ kernel registered through jax.ffi that splits
 W's rows over XLA's thread pool. XLA:CPU runs such small products on one core, and a decode step is almost only
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from . import reference
 
 SOURCE = Path(__file__).with_name("kernels") / "matvec.cc"
-MAX_ROWS = 16        # decode (1 row) and verify (K+1 rows); more rows are a matrix product XLA does well
+MAX_ROWS = 48        # decode, verify, and batches of them (batch.py); XLA's dot overtook the kernel at 64 rows here
 MODES = ("auto", "xla")
 mode = os.environ.get("JAX_IMPL_MATVEC", "auto")  # read when a function is traced
 

@@ -58,10 +58,13 @@ def param_sharding(mesh, path, shape):
     return split(mesh, shape, PARAM_AXES.get(name))
 
 
-def state_shardings(mesh, state):
-    """DeltaNet S (Hv, Dk, Dv) by value head, conv window (W-1, C) by channel, KV cache (Hkv, ...) by KV head."""
-    layers = tuple(DeltaState(split(mesh, s.conv.shape, 1), split(mesh, s.S.shape, 0)) if isinstance(s, DeltaState)
-                   else AttnState(split(mesh, s.k.shape, 0), split(mesh, s.v.shape, 0)) for s in state.layers)
+def state_shardings(mesh, state, batched=False):
+    """DeltaNet S (Hv, Dk, Dv) by value head, conv window (W-1, C) by channel, KV cache (Hkv, ...) by KV head;
+    batched: after a leading slot axis (jax_impl.batch), which stays whole."""
+    b = int(batched)
+    layers = tuple(DeltaState(split(mesh, s.conv.shape, 1 + b), split(mesh, s.S.shape, b))
+                   if isinstance(s, DeltaState) else AttnState(split(mesh, s.k.shape, b), split(mesh, s.v.shape, b))
+                   for s in state.layers)
     return State(layers, NamedSharding(mesh, PartitionSpec()))
 
 

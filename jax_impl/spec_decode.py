@@ -29,23 +29,47 @@ f32 = jnp.float32
 # ----------------------------------------------------------------------------------------------------------------
 # Sampling and acceptance
 
+def is_off(setting, off_value):
+    """A Python setting equal to its off value costs nothing; a traced one (a batch row's own setting) is computed
+    and selected."""
+    return isinstance(setting, (int, float)) and setting == off_value
+
+
 def probabilities(logits, sampling):  # (..., V) -> (..., V)
-    """Temperature, then top-k, then top-p, as reference.probabilities. Temperature 0 is a one-hot argmax."""
-    if sampling.temperature == 0:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=f32)
-    p = jax.nn.softmax(logits / f32(sampling.temperature), axis=-1)
-    if sampling.top_k:
-        kth_largest = jnp.sort(p, axis=-1)[..., -min(sampling.top_k, p.shape[-1]), None]
-        p = jnp.where(p >= kth_largest, p, 0)
-        p = p / p.sum(axis=-1, keepdims=True)
-    if sampling.top_p < 1:  # keep the smallest top set whose mass reaches top_p
+    """Temperature, then top-k, then top-p, as reference.probabilities. Temperature 0 is a one-hot argmax.
+    `sampling`'s fields are Python numbers, or traced scalars where each row of a batch has its own (batch.py)."""
+    temperature, top_k, top_p = sampling
+    if is_off(temperature, 0):
+        return one_hot_argmax(logits)
+    traced = not isinstance(temperature, (int, float))
+    p = jax.nn.softmax(logits / (jnp.where(temperature == 0, 1, temperature) if traced else f32(temperature)), axis=-1)
+    if not is_off(top_k, 0):
+        if isinstance(top_k, int):
+            kth_largest = jnp.sort(p, axis=-1)[..., -min(top_k, p.shape[-1]), None]
+        else:
+            rank = p.shape[-1] - jnp.clip(top_k, 1, p.shape[-1])
+            kth_largest = jnp.take(jnp.sort(p, axis=-1), rank, axis=-1)[..., None]
+        kept = jnp.where(p >= kth_largest, p, 0)
+        p = select(top_k > 0, kept / kept.sum(axis=-1, keepdims=True), p)
+    if not is_off(top_p, 1):  # keep the smallest top set whose mass reaches top_p
         order = jnp.argsort(-p, axis=-1, stable=True)
         sorted_p = jnp.take_along_axis(p, order, axis=-1)
-        keep_sorted = jnp.cumsum(sorted_p, axis=-1) - sorted_p < sampling.top_p
+        keep_sorted = jnp.cumsum(sorted_p, axis=-1) - sorted_p < top_p
         keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
-        p = jnp.where(keep, p, 0)
-        p = p / p.sum(axis=-1, keepdims=True)
-    return p
+        kept = jnp.where(keep, p, 0)
+        p = select(top_p < 1, kept / kept.sum(axis=-1, keepdims=True), p)
+    return jnp.where(temperature == 0, one_hot_argmax(logits), p) if traced else p
+
+
+def one_hot_argmax(logits):
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=f32)
+
+
+def select(condition, on, off):
+    """`on` where a setting is on: a Python condition picks one statically, a traced one selects."""
+    if isinstance(condition, bool):
+        return on if condition else off
+    return jnp.where(condition, on, off)
 
 
 def sample(p, u):  # (V,), uniform in [0, 1) -> token id
@@ -56,9 +80,10 @@ def sample(p, u):  # (V,), uniform in [0, 1) -> token id
 
 def draw(logits, sampling, key):  # (V,) -> token, its distribution (V,)
     p = probabilities(logits, sampling)
-    if sampling.temperature == 0:  # the argmax, which sample() would find in the one-hot, without its search over V
-        return jnp.argmax(logits).astype(jnp.int32), p
-    return sample(p, jax.random.uniform(key)), p
+    argmax = jnp.argmax(logits).astype(jnp.int32)
+    if is_off(sampling.temperature, 0):  # the argmax, which sample() would find in the one-hot, without its search
+        return argmax, p
+    return select(sampling.temperature > 0, sample(p, jax.random.uniform(key)), argmax), p
 
 
 def accept_greedy(draft, m, logits):  # (K,), valid drafts m, (K+1, V) -> (accepted drafts, next token)
@@ -77,7 +102,7 @@ def accept_speculative(draft, m, q, p, u):  # (K,), m, (K, V), (K+1, V), (K+1,) 
     q_x = jnp.take_along_axis(q, draft[:, None], axis=1)[:, 0]
     ok = (u[:K] < jnp.minimum(1, p_x / q_x)) & (jnp.arange(K) < m)
     n = jnp.sum(jnp.cumprod(ok))
-    residual = jnp.maximum(p[n] - jnp.concatenate([q, jnp.zeros_like(q[:1])])[n], 0)
+    residual = jnp.maximum(p[n] - jnp.concatenate([q, jnp.zeros((1, p.shape[-1]), q.dtype)])[n], 0)
     use_residual = (n < m) & (residual.sum() > 0)
     return n, sample(jnp.where(use_residual, residual, p[n]), u[K])
 
@@ -102,9 +127,11 @@ class DeviceDrafter(NamedTuple):
     update: Callable
 
 
-def prompt_lookup(buf, length, K, max_ngram=3):  # (L,), context length -> drafts (K,), count
+def prompt_lookup(buf, length, K, max_ngram=3, want=None):  # (L,), context length -> drafts (K,), count
     """Copy from buf[:length]: the longest suffix (<= max_ngram) that occurred before; what followed its latest
-    occurrence followed by K tokens, else its earliest occurrence (followed by the most), as the reference."""
+    occurrence followed by `want` (default K) tokens, else its earliest occurrence (followed by the most), as the
+    reference with k = want. K is the static width of the result; a batch row asks for its own want <= K."""
+    want = K if want is None else want
     starts = jnp.arange(len(buf))
     found, copy_from = jnp.bool_(False), jnp.int32(0)
     for n in range(max_ngram, 0, -1):
@@ -112,12 +139,12 @@ def prompt_lookup(buf, length, K, max_ngram=3):  # (L,), context length -> draft
         match = starts <= length - n - 1                     # an earlier occurrence, followed by a token
         for j in range(n):
             match &= jnp.roll(buf, -j) == suffix[j]
-        full = match & (starts <= length - n - K)            # ... followed by K tokens
+        full = match & (starts <= length - n - want)         # ... followed by `want` tokens
         start = jnp.where(full.any(), jnp.max(jnp.where(full, starts, -1)), jnp.min(jnp.where(match, starts, len(buf))))
         hit = ~found & (n <= length - 1) & match.any()
         copy_from = jnp.where(hit, start + n, copy_from)
         found |= hit
-    return lax.dynamic_slice_in_dim(buf, copy_from, K), jnp.where(found, jnp.minimum(K, length - copy_from), 0)
+    return lax.dynamic_slice_in_dim(buf, copy_from, K), jnp.where(found, jnp.minimum(want, length - copy_from), 0)
 
 
 def table_arrays(table, K):

@@ -198,3 +198,28 @@ def test_micro_twin_overheads_per_call_per_loop_step_and_per_round():
     assert [s for _, s in loop.forward] == pytest.approx([1e-4, 2e-4, 3e-4])
     assert loop.commit == (("replay", 1, 0.0),) and loop.verify == (("per-position", 1e-5),)
     assert loop.round == pytest.approx(5e-5)
+
+
+def test_serving_by_batch():
+    """compute_bound_batch is the smallest batch whose weight matmuls spend more time on FLOPs than on bytes (brute
+    force on a machine of 1 FLOP/s and 1.5 bytes/s, where one token a sequence needs several; and on the H200 at the ridge the datasheet gives: 989e12 / 4.8e12
+    FLOP/byte, 2 FLOPs per bf16 weight of 2 bytes, so about 206 rows: T = 1 at ~206 sequences, T = 5 at ~206 / 5).
+    Plain tokens/s grows with the batch; speculation's gain over plain shrinks once its verify is compute-bound;
+    acceptance_of inverts expected_tokens."""
+    unit = M.Setting(M.Hardware("unit", 1.0, 1.5, "by hand"), M.FP32, context=8)
+    cfg = tiny("linear_attention")
+    for T in (1, 3):
+        brute = next(B for B in range(1, 4096) if M.matmul_times(cfg, T, replace(unit, batch=B))[0]
+                     >= M.matmul_times(cfg, T, replace(unit, batch=B))[1])
+        assert M.compute_bound_batch(cfg, T, unit) == brute
+        assert brute > 1 or T > 1    # a bisection to do
+    h200, cfg9 = M.Setting(M.H200, M.BF16, 1024), M.published_config("9B")
+    ridge = M.H200.flops / M.H200.bandwidth
+    assert 0.9 * ridge < M.compute_bound_batch(cfg9, 1, h200) < 1.2 * ridge
+    assert 0.9 * ridge / 5 < M.compute_bound_batch(cfg9, 5, h200) < 1.2 * ridge / 5
+    batches = (1, 16, 256)
+    plain = [M.serving_tokens_per_second(cfg9, replace(h200, batch=B)) for B in batches]
+    gain = [M.serving_tokens_per_second(cfg9, replace(h200, batch=B), 4, 0.7) / p for B, p in zip(batches, plain)]
+    assert plain[0] < plain[1] < plain[2] and gain[0] > 2 > 1.1 > gain[2]
+    for a in (0.0, 0.3, 0.9):
+        assert M.acceptance_of(M.expected_tokens(a, 4), 4) == pytest.approx(a, abs=1e-9)

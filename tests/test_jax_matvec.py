@@ -58,6 +58,17 @@ def test_same_bits_however_the_work_is_split():
     np.testing.assert_array_equal(np.stack(rows), alone[0])
 
 
+def test_same_bits_for_a_batch_in_row_groups_and_column_blocks():
+    """MAX_ROWS rows (a batch of requests' rows, batch.py) go in groups of 8 and, past a few, in blocks of columns
+    (so that their partial sums stay in cache): each row's sums keep their shape, so each output is the bits of that
+    row alone."""
+    rng = np.random.default_rng(2)
+    x, w = random(rng, matvec.MAX_ROWS, 1000), random(rng, 1000, 2000)
+    together = jax.jit(matvec.matmul)(x, w)
+    one = jax.jit(matvec.matmul)
+    np.testing.assert_array_equal(np.stack([one(x[i:i + 1], w)[0] for i in range(len(x))]), together)
+
+
 def test_vmap_and_grad():
     rng = np.random.default_rng(1)
     xs, w, ws = random(rng, 40, 2, 64), random(rng, 64, 32), random(rng, 40, 64, 32)

@@ -3,7 +3,7 @@ adapter with bf16 weights and activations.
 
 Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, commit), which compile
 once per checkpoint and token count; greedy (and the benchmarks' timed_greedy) runs jax_impl.generate, its on-device
-generation loop. Primitive and layer cases call jax_impl.model's functions with the case's weights, transposed to
+generation loop; serving traces run through jax_impl.batch, its batched path (Jax.run_trace). Primitive and layer cases call jax_impl.model's functions with the case's weights, transposed to
 (in, out) by jax_impl.to_jax as the model stores them. Every feature is supported.
 """
 
@@ -18,6 +18,7 @@ from . import Engine, Timed, layer_config, layer_params, moe_config, register_en
 from ..format import FEATURES, state_tensors
 
 jax_impl, M, spec_decode = sibling("jax_impl"), sibling("jax_impl.model"), sibling("jax_impl.spec_decode")
+batch, compiled = sibling("jax_impl.batch"), spec_decode.compiled
 
 # Layers and the delta rule compiled, as the model runs them (primitives run op by op)
 jit = partial(jax.jit, static_argnames="cfg")
@@ -200,3 +201,111 @@ class Jax(Engine):
                                                           jax_impl.probabilities(logits, sampling),
                                                           jnp.asarray(uniforms))
         return int(accepted), int(token)
+
+    def run_trace(self, model, batches, rollback, slots):
+        """The batched path: `slots` request slots (batch.py's slot axis, released slots reused lowest first), each
+        batch's rows in one call of batch.explicit_step (a prefill longer than its width goes on in further calls
+        of the rows left), every step's outputs read back after it. Snapshots are copies of a slot's row."""
+        cfg, params = model
+        trace = TraceSlots(cfg, params, slots, rollback or "replay", max_drafts(batches))
+        for b, batch_steps in enumerate(batches):
+            rows = {s: step for s, step in enumerate(batch_steps) if step["op"] in ("prefill", "verify")}
+            first_row = min(rows, default=len(batch_steps))
+            outputs = {s: trace.apply(step) for s, step in enumerate(batch_steps[:first_row])}
+            outputs.update(trace.run_rows(rows))
+            outputs.update({s: trace.apply(step) for s, step in enumerate(batch_steps) if s > first_row
+                            and s not in rows})
+            for s in sorted(outputs):
+                out = outputs[s]
+                if "state" in out:
+                    out.update(self.export_state(model, out.pop("state")))
+                yield b, s, out
+
+
+def max_drafts(batches):
+    return max((len(step["tokens"]) - 1 for steps in batches for step in steps if step["op"] == "verify"), default=0)
+
+
+class TraceSlots:
+    """A serving trace's requests in batch.py's slots: which slot each request holds, and the prefix cache."""
+    T = batch.PREFILL_WIDTHS[-1]
+
+    def __init__(self, cfg, params, slots, rollback, drafts):
+        self.cfg, self.params, self.rollback = cfg, params, rollback
+        self.K = batch.draft_bucket(drafts)
+        capacity = cfg.max_position_embeddings + self.T     # no row's padded write ever clamps
+        self.state = jax.vmap(lambda _: jax_impl.empty_state(cfg, capacity, params["embed_tokens"].dtype))(
+            jnp.arange(slots))
+        self.free, self.requests, self.cache = list(range(slots)), {}, {}
+
+    def take_slot(self, name, row=None):
+        """The lowest free slot for a new request, holding `row` (a state of one slot) or a zero state."""
+        index = self.free.pop(0)
+        self.requests[name] = index
+        if row is None:
+            row = jax.tree.map(jnp.zeros_like, batch.read_slot(self.state, index))
+        self.state = batch.write_slot(self.state, index, row)
+        return index
+
+    def apply(self, step):
+        """A snapshot, restore or release step -> its outputs."""
+        name, op = step["request"], step["op"]
+        if op == "snapshot":
+            self.cache[step["key"]] = batch.read_slot(self.state, self.requests[name])
+        elif op == "restore":
+            self.take_slot(name, self.cache[step["key"]])
+            return {"state": self.cache[step["key"]]}
+        elif op == "release":
+            self.free = sorted(self.free + [self.requests.pop(name)])
+        else:
+            raise ValueError(f"trace step: unknown op {op!r}")
+        return {}
+
+    def run_rows(self, rows):
+        """Prefill and verify rows {step index: step} -> {step index: outputs}."""
+        for step in rows.values():
+            if step["op"] == "prefill" and step["request"] not in self.requests:
+                self.take_slot(step["request"])
+        outputs, offsets = {}, dict.fromkeys(rows, 0)
+        while offsets:
+            inputs = self.rows_input({s: rows[s] for s in offsets}, offsets)
+            run, _ = compiled(batch.explicit_step, (1,), self.cfg, dict(T=self.T, K=self.K, strategy=self.rollback),
+                              self.params, self.state, inputs)
+            logits, accepted, committed, n, self.state = run(self.params, self.state, inputs)
+            logits, accepted, committed, n = (np.asarray(x) for x in (logits, accepted, committed, n))
+            for s in list(offsets):
+                step, index = rows[s], self.requests[rows[s]["request"]]
+                offsets[s] += self.T
+                if step["op"] == "prefill" and offsets[s] < len(step["tokens"]):
+                    continue
+                del offsets[s]
+                if step["op"] == "prefill":
+                    outputs[s] = {"logits": host(logits[index, :1])}
+                    continue
+                out = {"logits": host(logits[index, :len(step["tokens"])]),
+                       "state": batch.read_slot(self.state, index)}
+                if "keep" not in step["commit"]:
+                    out.update(accepted=int(accepted[index]), committed=committed[index, :n[index]].tolist())
+                outputs[s] = out
+        return outputs
+
+    def rows_input(self, rows, offsets):
+        """batch.Rows for the slots: each given row's tokens (a prefill's chunk at its offset), the rest idle."""
+        B, T, K, V = len(self.state.length), self.T, self.K, self.cfg.vocab_size
+        tokens, valid, keep = np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.full(B, -1, np.int32)
+        prefill, stop = np.zeros(B, bool), np.full((B, batch.MAX_STOP_IDS), -1, np.int32)
+        q, u = np.zeros((B, K, V), np.float32), np.zeros((B, K + 1), np.float32)
+        temperature, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
+        for s, step in rows.items():
+            i, chunk = self.requests[step["request"]], step["tokens"][offsets[s]:offsets[s] + T]
+            tokens[i, :len(chunk)], valid[i] = chunk, len(chunk)
+            prefill[i] = step["op"] == "prefill"
+            rule = step.get("commit", {})
+            keep[i] = rule.get("keep", -1)
+            stop[i, :len(rule.get("stop", ()))] = rule.get("stop", ())
+            if rule.get("accept") == "sampling":
+                k = len(chunk) - 1
+                temperature[i], top_k[i], top_p[i] = rule["temperature"], rule["top_k"], rule["top_p"]
+                q[i, :k] = rule["q"]
+                u[i, :k], u[i, K] = rule["uniforms"][:k], rule["uniforms"][k]
+        return batch.Rows(tokens, valid, prefill, keep, q, u, R.Sampling(temperature, top_k, top_p), stop)

@@ -1,5 +1,5 @@
-// y (M, N) = x (M, K) @ w (K, N) in fp32 for a few rows M (decode, verify), split over XLA:CPU's thread pool;
-// several w (N may differ) at once.
+// y (M, N) = x (M, K) @ w (K, N) in fp32 for a few rows M (decode, verify, batches of them), split over XLA:CPU's
+// thread pool; several w (N may differ) at once.
 //
 // Why: XLA:CPU runs a product this small on one thread, and a decode step is little but such products, so jax_impl
 // used one of the machine's cores where llama.cpp uses all. Here the K rows of w go in fixed chunks of CHUNK rows to
@@ -19,6 +19,7 @@ namespace ffi = xla::ffi;
 
 constexpr int64_t CHUNK = 128;           // rows of w per unit of work (a multiple of 8)
 constexpr int64_t SERIAL_BELOW = 65536;  // multiply-adds under this: one thread (waking another costs more than it saves)
+constexpr int64_t Y_BLOCK = 256 << 10;    // bytes of y a chunk's column block keeps in cache (half this CPU's L2)
 
 typedef float v8 __attribute__((vector_size(32)));  // 8 lanes (GCC and Clang lower it on any target)
 
@@ -36,48 +37,64 @@ static inline T sum8(const float* a, T w0, T w1, T w2, T w3, T w4, T w5, T w6, T
   return ((a[0] * w0 + a[1] * w1) + (a[2] * w2 + a[3] * w3)) + ((a[4] * w4 + a[5] * w5) + (a[6] * w6 + a[7] * w7));
 }
 
-// y[n0:] += a (8,) @ r[:, n0:] for r (8, N): the compiler vectorizes over n and keeps a's 8 values in registers.
-static void rows8_one(const float* a, const float* r, int64_t N, float* y, int64_t n0 = 0) {
-  for (int64_t n = n0; n < N; ++n)
-    y[n] += sum8(a, r[n], r[N + n], r[2 * N + n], r[3 * N + n], r[4 * N + n], r[5 * N + n], r[6 * N + n], r[7 * N + n]);
+// y[n0:width] += a (8,) @ r[:, n0:width] for r (8 rows, ld apart): the compiler vectorizes over n and keeps a's 8
+// values in registers.
+static void rows8_one(const float* a, const float* r, int64_t ld, int64_t width, float* y, int64_t n0 = 0) {
+  for (int64_t n = n0; n < width; ++n)
+    y[n] += sum8(a, r[n], r[ld + n], r[2 * ld + n], r[3 * ld + n], r[4 * ld + n], r[5 * ld + n], r[6 * ld + n],
+                 r[7 * ld + n]);
 }
 
-// y (R, N) += a (R, 8; rows K apart) @ r (8, N): each vector of r is loaded once for all R rows (verify).
+// y (R, width; rows ld apart) += a (R, 8; rows K apart) @ r (8, width; rows ld apart): each vector of r is loaded
+// once for all R rows.
 template <int R>
-static void rows8_many(const float* a, int64_t K, const float* r, int64_t N, float* y) {
+static void rows8_many(const float* a, int64_t K, const float* r, int64_t ld, int64_t width, float* y) {
   int64_t n = 0;
-  for (; n + 8 <= N; n += 8) {
-    const v8 w0 = load8(r + n), w1 = load8(r + N + n), w2 = load8(r + 2 * N + n), w3 = load8(r + 3 * N + n),
-             w4 = load8(r + 4 * N + n), w5 = load8(r + 5 * N + n), w6 = load8(r + 6 * N + n), w7 = load8(r + 7 * N + n);
-    for (int m = 0; m < R; ++m) store8(y + m * N + n, load8(y + m * N + n) + sum8(a + m * K, w0, w1, w2, w3, w4, w5, w6, w7));
+  for (; n + 8 <= width; n += 8) {
+    const v8 w0 = load8(r + n), w1 = load8(r + ld + n), w2 = load8(r + 2 * ld + n), w3 = load8(r + 3 * ld + n),
+             w4 = load8(r + 4 * ld + n), w5 = load8(r + 5 * ld + n), w6 = load8(r + 6 * ld + n),
+             w7 = load8(r + 7 * ld + n);
+    for (int m = 0; m < R; ++m)
+      store8(y + m * ld + n, load8(y + m * ld + n) + sum8(a + m * K, w0, w1, w2, w3, w4, w5, w6, w7));
   }
-  for (int m = 0; m < R; ++m) rows8_one(a + m * K, r, N, y + m * N, n);  // the last N % 8 columns
+  for (int m = 0; m < R; ++m) rows8_one(a + m * K, r, ld, width, y + m * ld, n);  // the last width % 8 columns
 }
 
-// y (M, N) += x[:, k:k+8] @ w[k:k+8, :]
-static void rows8(const float* x, int64_t M, int64_t K, const float* r, int64_t N, float* y) {
-  switch (M) {
-    case 2: return rows8_many<2>(x, K, r, N, y);
-    case 3: return rows8_many<3>(x, K, r, N, y);
-    case 4: return rows8_many<4>(x, K, r, N, y);
-    case 5: return rows8_many<5>(x, K, r, N, y);
-    case 6: return rows8_many<6>(x, K, r, N, y);
-    case 7: return rows8_many<7>(x, K, r, N, y);
-    case 8: return rows8_many<8>(x, K, r, N, y);
-    default:  // one row, or more than 8 (registers run out): row by row
-      for (int64_t m = 0; m < M; ++m) rows8_one(x + m * K, r, N, y + m * N);
+// y (M, width) += x[:, k:k+8] @ w[k:k+8, n0:n0+width] (r and y point at column n0, rows ld apart): rows in groups of
+// at most 8 (registers run out past 8: a batch of requests, or a verify's K+1 rows), each group loading each vector
+// of r once. Every row's sums take the same shape, however many rows there are.
+static void rows8(const float* x, int64_t M, int64_t K, const float* r, int64_t ld, int64_t width, float* y) {
+  int64_t m = 0;
+  for (; M - m > 8; m += 8) rows8_many<8>(x + m * K, K, r, ld, width, y + m * ld);
+  const float *a = x + m * K;
+  float* out = y + m * ld;
+  switch (M - m) {
+    case 2: return rows8_many<2>(a, K, r, ld, width, out);
+    case 3: return rows8_many<3>(a, K, r, ld, width, out);
+    case 4: return rows8_many<4>(a, K, r, ld, width, out);
+    case 5: return rows8_many<5>(a, K, r, ld, width, out);
+    case 6: return rows8_many<6>(a, K, r, ld, width, out);
+    case 7: return rows8_many<7>(a, K, r, ld, width, out);
+    case 8: return rows8_many<8>(a, K, r, ld, width, out);
+    default: return rows8_one(a, r, ld, width, out);  // one row
   }
 }
 
-// y (M, N) = x[:, k0:k1] @ w[k0:k1, :]
+// y (M, N) = x[:, k0:k1] @ w[k0:k1, :], a block of columns at a time: as many as keep the rows' block of y within
+// Y_BLOCK bytes (in cache while the chunk's rows of w stream past; all columns for one row). The blocks change
+// where each sum is taken, not its shape.
 static void chunk_product(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
                           int64_t k0, int64_t k1) {
   std::fill(y, y + M * N, 0.0f);
-  int64_t k = k0;
-  for (; k + 8 <= k1; k += 8) rows8(x + k, M, K, w + k * N, N, y);  // one load and store of y per 8 rows of w
-  for (; k < k1; ++k)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) y[m * N + n] += x[m * K + k] * w[k * N + n];
+  const int64_t columns = std::max<int64_t>(64, Y_BLOCK / (4 * M)) / 8 * 8;
+  for (int64_t n0 = 0; n0 < N; n0 += columns) {
+    const int64_t width = std::min(columns, N - n0);
+    int64_t k = k0;
+    for (; k + 8 <= k1; k += 8) rows8(x + k, M, K, w + k * N + n0, N, width, y + n0);  // y loaded, stored per 8 rows
+    for (; k < k1; ++k)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n0 + width; ++n) y[m * N + n] += x[m * K + k] * w[k * N + n];
+  }
 }
 
 // The chunks of one call's products, claimed by the caller and the pool's threads; shared, so a late thread finds
