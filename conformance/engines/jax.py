@@ -229,13 +229,16 @@ def max_drafts(batches):
 class TraceSlots:
     """A serving trace's requests in batch.py's slots: which slot each request holds, and the prefix cache."""
     T = batch.PREFILL_WIDTHS[-1]
+    MIN_ROWS = 4
 
     def __init__(self, cfg, params, slots, rollback, drafts):
         self.cfg, self.params, self.rollback = cfg, params, rollback
         self.K = batch.draft_bucket(drafts)
         capacity = cfg.max_position_embeddings + self.T     # no row's padded write ever clamps
+        # at least MIN_ROWS rows, so that traces of 2, 3 and 4 slots share one compiled step; requests take only the
+        # first `slots` (the free list), the other rows stay idle
         self.state = jax.vmap(lambda _: jax_impl.empty_state(cfg, capacity, params["embed_tokens"].dtype))(
-            jnp.arange(slots))
+            jnp.arange(max(slots, self.MIN_ROWS)))
         self.free, self.requests, self.cache = list(range(slots)), {}, {}
 
     def take_slot(self, name, row=None):

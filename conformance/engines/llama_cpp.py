@@ -116,7 +116,7 @@ def gguf_file(checkpoint_dir):
         gguf_source(checkpoint_dir, Path(tmp))
         # the converter asserts that an MTP export finds MTP layers: checkpoints without them need --no-mtp
         mtp = [] if has_mtp(json.loads((checkpoint_dir / "config.json").read_text())) else ["--no-mtp"]
-        partial = out.with_suffix(".partial")
+        partial = out.with_suffix(f".{os.getpid()}.partial")   # concurrent runs each convert, then one wins
         # in a subprocess: the converter puts its own gguf-py and `conversion` package on sys.path
         done = subprocess.run([sys.executable, "-m", __name__, str(converter), tmp, str(partial), *mtp],
                               cwd=ROOT, capture_output=True, text=True)
