@@ -46,8 +46,8 @@ def test_products_within_the_fp32_error_bound(rows, K, N, seed):
 
 def test_same_bits_however_the_work_is_split():
     """A small product runs on one thread alone, on two threads next to a large one; a matrix alone or in a group;
-    5 rows (verify: vectors of w shared by the rows) or 1 row at a time: each output is the same bits (fixed chunks,
-    partials added in chunk order, one shape of sum per 8 rows of w)."""
+    5 rows (verify: vectors of w shared by the rows) or 1 row at a time: each output is the same bits (one chain of
+    fused multiply-adds per chunk of w's rows, the chunks added in order)."""
     rng = np.random.default_rng(0)
     x, large, small, odd = random(rng, 5, 1000), random(rng, 1000, 512), random(rng, 1000, 4), random(rng, 1000, 37)
     alone = [jax.jit(matvec.matmul)(x, w) for w in (large, small, odd)]
@@ -58,12 +58,13 @@ def test_same_bits_however_the_work_is_split():
     np.testing.assert_array_equal(np.stack(rows), alone[0])
 
 
-def test_same_bits_for_a_batch_in_row_groups_and_column_blocks():
-    """MAX_ROWS rows (a batch of requests' rows, batch.py) go in groups of 8 and, past a few, in blocks of columns
-    (so that their partial sums stay in cache): each row's sums keep their shape, so each output is the bits of that
-    row alone."""
+@pytest.mark.parametrize("rows", [3, 9, matvec.MAX_ROWS])
+def test_same_bits_for_a_batch_in_row_tiles_and_column_blocks(rows):
+    """A few rows go in chunks of w's rows, more (a batch of requests' rows, batch.py) in blocks of w's columns, in
+    tiles of rows and of columns with single vectors and single columns at the edge (2003 columns): each row's sums
+    keep their order on every path, so each output is the bits of that row alone."""
     rng = np.random.default_rng(2)
-    x, w = random(rng, matvec.MAX_ROWS, 1000), random(rng, 1000, 2000)
+    x, w = random(rng, rows, 1000), random(rng, 1000, 2003)
     together = jax.jit(matvec.matmul)(x, w)
     one = jax.jit(matvec.matmul)
     np.testing.assert_array_equal(np.stack([one(x[i:i + 1], w)[0] for i in range(len(x))]), together)
