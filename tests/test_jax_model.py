@@ -150,12 +150,25 @@ def test_mtp_head_matches_reference(models, name):
 
 
 def test_bfloat16_logits_near_reference(models):
-    """bf16 weights and activations, fp32 DeltaNet state and logits: ~1% of the logit scale."""
+    """bf16 weights and activations, fp32 DeltaNet state and logits. bf16 rounds activations as coarsely as weights,
+    so over a dozen prompts the logits' distance from the float32 reference is at most twice that of the reference
+    run on bf16-rounded weights alone (measured 1.3x; one fixed bound of 2% of the scale failed the weights' rounding
+    alone on this checkpoint, and held for jax_impl on a lucky prompt only)."""
     cfg, params, _ = models["tiny-dense"]
-    logits = reference.forward(params, cfg, PROMPT, reference.empty_state(cfg))[0]
     bf16 = jax_impl.to_jax(params, "bfloat16")
-    state = jax_impl.empty_state(cfg, 32, jnp.bfloat16)
-    jlogits, _, state, _ = jax_impl.prefill(bf16, cfg, jnp.array(PROMPT), state)
-    assert jlogits.dtype == jnp.float32 and state.layers[0].S.dtype == jnp.float32
-    assert state.layers[0].conv.dtype == jnp.bfloat16
-    assert_close(jlogits, logits, 2e-2)
+    rounded = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+                           if isinstance(a, np.ndarray) and a.dtype == np.float32 else a, params)
+    rng = np.random.default_rng(1)
+    ours, weights_only = [], []
+    for prompt in [PROMPT] + [list(rng.integers(0, cfg.vocab_size, 15)) for _ in range(11)]:
+        logits = reference.forward(params, cfg, prompt, reference.empty_state(cfg))[0]
+        state = jax_impl.empty_state(cfg, 32, jnp.bfloat16)
+        jlogits, _, state, _ = jax_impl.prefill(bf16, cfg, jnp.array(prompt), state)
+        assert jlogits.dtype == jnp.float32 and state.layers[0].S.dtype == jnp.float32
+        assert state.layers[0].conv.dtype == jnp.bfloat16
+        ours.append(np.abs(np.asarray(jlogits, np.float64) - logits).max())
+        rounded_logits = reference.forward(rounded, cfg, prompt, reference.empty_state(cfg))[0]
+        weights_only.append(np.abs(rounded_logits - logits).max())
+    assert np.mean(ours) <= 2 * np.mean(weights_only), (np.mean(ours), np.mean(weights_only))
+
+
