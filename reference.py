@@ -1529,15 +1529,22 @@ REFERENCE = Backend(
     generate=reference_generate, summary=summary, main_process=lambda: True)
 
 
-def main(argv=None, backend=REFERENCE):
+def exit_code(action):
+    """Runs action(); a UserError becomes one line on stderr and exit code 2, as every command line here does."""
     try:
-        args = parse_args(argv, backend)
-        with backend.context(args):
-            run(args, backend)
+        action()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv=None, backend=REFERENCE):
+    def parse_and_run():
+        args = parse_args(argv, backend)
+        with backend.context(args):
+            run(args, backend)
+    return exit_code(parse_and_run)
 
 
 if __name__ == "__main__":

@@ -149,12 +149,7 @@ def run(args):
 
 
 def main(argv=None):
-    try:
-        run(parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return reference.exit_code(lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":
