@@ -442,6 +442,8 @@ def serving_plot(path, measured):
             Bs = [c["B"] for c in cells]
             ax.plot(Bs, [c["tok_s"] for c in cells], "o-", color=color, label=f"{draft}: measured")
             ax.plot(Bs, [c["predicted"] for c in cells], "--", color=color, alpha=0.7, label=f"{draft}: predicted")
+            if draft == "none" and all("decode_tok_s" in c for c in cells):   # what batching can speed up
+                ax.plot(Bs, [c["decode_tok_s"] for c in cells], "s:", color=color, label="none: decode only")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(Bs, [str(B) for B in Bs])
