@@ -197,7 +197,9 @@ def slot_step(params, cfg, s, *, T, K, strategy, features):
     finished = (decoding | prompt_done) & (stopped | (ntok - st.prompt_len >= st.limit))
     paused = prefilling & ~prompt_done & (c + valid == s.prefill_to)
     phase = jnp.where(finished, DONE, jnp.where(prompt_done, DECODE, jnp.where(paused, PAUSED, s.phase)))
-    key = jnp.where(decoding, jnp.where(plain, key2, key3), jnp.where(prompt_done, key2, s.key))
+    key = s.key
+    if features.sample:  # a greedy row never draws with its key: in a step without sampled rows none advances
+        key = jnp.where(decoding, jnp.where(plain, key2, key3), jnp.where(prompt_done, key2, s.key))
     stats = count(s.stats, decoding, m, accepted)
     return s._replace(state=state, mtp=mtp, buf=buf, ntok=ntok, phase=phase, key=key, stats=stats)
 
