@@ -37,7 +37,6 @@ namespace ffi = xla::ffi;
 
 constexpr int64_t CHUNK = 128;           // rows of w whose sums make one partial
 constexpr int64_t GROUP = 16;            // rows of w whose products make one chain (a multiple of 16 divides CHUNK)
-constexpr int64_t ROWS_IN_FLIGHT = 32;   // rows of w a tile works through at a time, with more rows than CHUNKED_ROWS
 constexpr int64_t CHUNKED_ROWS = 4;      // rows up to which a unit is a chunk of w's rows (else a block of columns)
 constexpr int64_t SERIAL_BELOW = 65536;  // multiply-adds under this: one thread (waking one costs more than it saves)
 constexpr int64_t Y_BLOCK = 256 << 10;   // bytes of sums a block of columns may take (in the L2 cache while w streams)
@@ -124,14 +123,14 @@ static void column_tile_groups(const float* x, int64_t K, int64_t M, int64_t k, 
 }
 
 // out (M rows, ldo apart)[:, :n1 - n0] = x[:, k0:k1] @ w[k0:k1, n0:n1] (w N columns wide): one chunk's sums, the
-// chains of its groups of GROUP rows added in order; `span` rows of w at a time (a multiple of GROUP), in tiles of
+// chains of its groups of GROUP rows added in order; one group of w's rows at a time (the next group's rows of the
+// same columns prefetched: 16 rows in flight streamed 10-25% faster than 32 for 8-16 rows on an AMD EPYC), in tiles of
 // COLUMN_VECTORS vectors of columns, then single vectors, then one column at a time (the same sums on every path).
 static void chunk_sums(const float* x, int64_t K, const float* w, int64_t N, int64_t M, int64_t k0, int64_t k1,
                        int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  const int64_t span = M > CHUNKED_ROWS ? ROWS_IN_FLIGHT : GROUP;
   for (int64_t m = 0; m < M; ++m) std::fill(out + m * ldo, out + m * ldo + (n1 - n0), 0.0f);
-  for (int64_t k = k0; k < k1; k += span) {
-    const int64_t end = std::min(k + span, k1), ahead = std::min(span, K - end);
+  for (int64_t k = k0; k < k1; k += GROUP) {
+    const int64_t end = std::min(k + GROUP, k1), ahead = std::min(GROUP, K - end);
     int64_t n = n0;
     for (; n + COLUMN_VECTORS * LANES <= n1; n += COLUMN_VECTORS * LANES) {
       for (int64_t i = end; i < end + ahead; ++i)  // the next rows of these columns, into the L2 cache
