@@ -116,14 +116,11 @@ def run(args):
 
 
 def main(argv=None):
-    try:
+    def check_and_run():
         if missing_jax:
             raise missing_jax
         run(parse_args(argv))
-    except R.UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return R.exit_code(check_and_run)
 
 
 if __name__ == "__main__":
