@@ -84,6 +84,11 @@ def wall(fn):
     return time.perf_counter() - start
 
 
+def draft_len(args, draft):
+    """A figure's K: --draft-len for a drafter, 0 for plain decoding."""
+    return args.draft_len if draft != "none" else 0
+
+
 def requests(cfg, B, prompt_len, new_tokens, draft, K):
     return [dict(prompt=copy_prompt(prompt_len, cfg.vocab_size, seed=i), max_new_tokens=new_tokens, draft=draft,
                  draft_len=K) for i in range(B)]
@@ -92,7 +97,7 @@ def requests(cfg, B, prompt_len, new_tokens, draft, K):
 def served(params, cfg, B, args, draft, alongside=lambda: None):
     """(tokens/s, results, compilations, steps, seconds, decode-only tokens/s) of B requests through one server
     (compiled by a first run); alongside() runs after each repeat (the single-request loop, timed interleaved)."""
-    K = args.draft_len if draft != "none" else 0
+    K = draft_len(args, draft)
     batch_requests = requests(cfg, B, args.prompt_len, args.new_tokens, draft, K)
     server = Server(params, cfg, B, context=args.prompt_len + args.new_tokens, steps_per_sync=args.steps_per_sync,
                     max_draft_len=K, features=batch.Features(mtp=draft == "mtp"))
@@ -162,13 +167,14 @@ def main():
         model_figures = figures["models"][name] = {}
         singles = {}                                  # draft -> [alone(...)]: the best of them counts
 
+        def single_request(draft):
+            return requests(cfg, 1, args.prompt_len, args.new_tokens, draft, draft_len(args, draft))[0]
+
         def time_single(draft):
-            K = args.draft_len if draft != "none" else 0
-            singles[draft].append(alone(params, cfg, requests(cfg, 1, args.prompt_len, args.new_tokens, draft, K)[0]))
+            singles[draft].append(alone(params, cfg, single_request(draft)))
         for draft in args.drafts:
+            alone(params, cfg, single_request(draft))  # compiles
             singles[draft] = []
-            time_single(draft)                        # compiles
-            singles[draft].clear()
             time_single(draft)
         header = f"{'drafter':>8} {'single':>8} " + " ".join(f"{'B=' + str(B):>9}" for B in args.batches)
         print(f"tokens/s (B requests at once; single: jax_impl.generate, one request)\n{header}")
@@ -179,8 +185,7 @@ def main():
                 log(f"  {draft}, B={B} ...")
                 tok_s, results, compilations, steps, seconds, decode = served(
                     params, cfg, B, args, draft, alongside=partial(time_single, draft) if B == 1 else lambda: None)
-                K = args.draft_len if draft != "none" else 0
-                batch_requests = requests(cfg, B, args.prompt_len, args.new_tokens, draft, K)
+                batch_requests = requests(cfg, B, args.prompt_len, args.new_tokens, draft, draft_len(args, draft))
                 for i in sorted({0, B - 1}):   # in bf16 rounding may part them at a near-tie; in fp32 it must not
                     same = agreement(results[i][0], alone(params, cfg, batch_requests[i])[0], "its single run")
                     if same != "same tokens as its single run":
@@ -244,7 +249,7 @@ def main():
 
 def predict(cfg, s, cell, args, draft):
     """Tokens/s the cost model predicts for a figure, at its measured acceptance."""
-    K = 0 if draft == "none" else args.draft_len
+    K = draft_len(args, draft)
     a = acceptance_of(cell["tokens_per_call"], K) if K else 0.0
     return serving_tokens_per_second(cfg, replace(s, batch=cell["B"], drafter="mtp" if draft == "mtp" else "free"),
                                      K, a)
