@@ -293,7 +293,7 @@ def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T,
     top_weights = np.take_along_axis(probs, top, axis=-1)
     top_weights /= top_weights.sum(axis=-1, keepdims=True)                    # (T, k)
     out = np.zeros_like(x)
-    F = cfg.moe_intermediate_size
+    F = experts["down_proj"].shape[-1]       # moe_intermediate_size (a partial-MLP drafter keeps fewer)
     for e in np.unique(top):
         rows, slot = np.nonzero(top == e)
         gate_up = x[rows] @ experts["gate_up_proj"][e].T                      # (n, 2F)  gate rows first
@@ -302,15 +302,22 @@ def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T,
     return out + sigmoid(x @ shared_expert_gate.T) * mlp(x, **shared_expert)
 
 
-def decoder_layer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D), new layer state, Tape or None
+def token_mixer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D) its update, new layer state, Tape or None
     h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
     if kind == "linear_attention":
-        y, state, tape = gated_deltanet(h, state, cfg, **layer["linear_attn"])
-    else:
-        (y, state), tape = gated_attention(h, state, positions, cfg, **layer["self_attn"]), None   # KV truncates: no tape
-    x = x + y
+        return gated_deltanet(h, state, cfg, **layer["linear_attn"])
+    return (*gated_attention(h, state, positions, cfg, **layer["self_attn"]), None)   # KV truncates: no tape
+
+
+def feed_forward(x, layer, cfg):  # (T, D) -> (T, D) its update
     h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
-    return x + (sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])), state, tape
+    return sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])
+
+
+def decoder_layer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D), new layer state, Tape or None
+    y, state, tape = token_mixer(x, kind, layer, state, positions, cfg)
+    x = x + y
+    return x + feed_forward(x, layer, cfg), state, tape
 
 
 def forward(params, cfg, tokens, state):
