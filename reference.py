@@ -602,11 +602,14 @@ def run_trace(target, batches):
 #   propose(draft_state, context, new_hidden, k, sampling, rng) -> (tokens (k',), q (k', V), draft_state), k' <= k
 # `context` holds every committed token; the target has consumed all but the last. `new_hidden` (n, D) holds the
 # target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them).
+# A self-speculative drafter (the target's own weights, cheapened) also has observe(draft_state, target_state) ->
+# draft_state, called before each propose with a copy of the target's committed state: it drafts from there.
 
 class Drafter(NamedTuple):
     name: str
     initial_state: object
     propose: Callable
+    observe: Callable = None
 
 
 def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
@@ -806,6 +809,8 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
     draft_state = drafter.initial_state
     while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
         k = min(draft_len, limit - len(tokens) - 1)        # room for the target's own token after the drafts
+        if drafter.observe:
+            draft_state = drafter.observe(draft_state, target.copy(state))
         draft, q, draft_state = propose(draft_state, list(prompt) + tokens, new_hidden, k, sampling, rng)
         u = rng.random(len(draft) + 1) if sampling.temperature else None
         r = speculative_round(target, state, tokens[-1:] + draft, q, sampling, u, cfg.eos_token_id)
