@@ -731,22 +731,26 @@ def mtp_chain(params, cfg, state, tokens, hidden, k, pick):  # (n,), (n, D) -> l
     return np.stack(depth_logits), np.stack(depth_hidden), committed
 
 
-def mtp_drafter(params, cfg):
+def mtp_drafter(params, cfg, shortlist=None, name="mtp"):
     """Catch the MTP head up on the newly verified positions, then chain it K times, feeding its own output hidden
-    state and drafted token (mtp_chain)."""
+    state and drafted token (mtp_chain). With a shortlist (S token ids) the head's output projection is those S rows
+    of lm_head and every draft is drawn among them: q is zero outside (mtp-shortlist:PATH, below)."""
     if params["mtp"] is None:
         raise UserError("the MTP drafter needs mtp.* weights, which the checkpoint does not have")
     if cfg.mtp_num_hidden_layers > 1:
         raise UserError(f"the MTP drafter runs one MTP layer; the checkpoint has mtp_num_hidden_layers="
                         f"{cfg.mtp_num_hidden_layers}")
 
+    head = params if shortlist is None else {**params, "lm_head": np.ascontiguousarray(params["lm_head"][shortlist])}
+
     def propose(draft_state, context, new_hidden, k, sampling, rng):
         start, drawn = draft_state.length, []     # MTP pairs exist for positions [0, start)
 
-        def pick(logits):
-            drawn.append(draw(logits, sampling, rng))
+        def pick(logits):                         # logits over the head's rows: the vocabulary or the shortlist
+            token, p = draw(logits, sampling, rng)
+            drawn.append((token, p) if shortlist is None else on_vocabulary(token, p, shortlist, cfg.vocab_size))
             return drawn[-1][0]
-        depth_logits, _, committed = mtp_chain(params, cfg, draft_state, context[start + 1:start + 1 + len(new_hidden)],
+        depth_logits, _, committed = mtp_chain(head, cfg, draft_state, context[start + 1:start + 1 + len(new_hidden)],
                                                new_hidden, k, pick)
         if k:
             pick(depth_logits[-1])                # the last draft, drawn from the deepest logits, is not fed back
@@ -754,7 +758,170 @@ def mtp_drafter(params, cfg):
         return [token for token, _ in drawn], q, committed
     Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
     empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
-    return Drafter("mtp", State((empty,), 0), propose)
+    return Drafter(name, State((empty,), 0), propose)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Self-speculative drafters: the target's own weights, cheapened (the experiments docs/self-speculative.md
+# describes). Each drafts from its own copy of the target's committed state (observe) through the target's layers
+# with parts left out or reused; the states its draft positions write are its own, dropped at the next observe:
+#   partial-mlp:F[:LAYERS]  each SwiGLU keeps the first fraction F of its intermediate dimension, in LAYERS (all by
+#                           default); MoE: every routed expert and the shared expert alike, the router whole
+#   skip-blocks:LAYERS      the blocks of LAYERS left out (the identity); their states stay as they were
+#   mixer-reuse:LAYERS      the token mixers of LAYERS replaced by the mean of their outputs at the two previous
+#                           positions (the committed ones exact, then the drafter's own)
+#   residual-reuse:L        layers [0, L) left out: layer L takes the token's embedding plus the previous position's
+#                           final hidden state, RMS-matched to the update layers [0, L) make on the prompt
+#   mtp-shortlist:PATH      the MTP head over a vocabulary shortlist (mtp_drafter above; build_shortlist below)
+# LAYERS: 0-based layer indices and inclusive ranges, e.g. 1-3,6. Every draft is verified as any other: exact.
+
+def run_layers(params, cfg, x, state, skip=(), reused=None):  # (T, D) -> (T, D), State, {layer: (T, D)}
+    """The decoder layers over the residual stream x from `state`: the blocks in `skip` left out, and for each layer
+    in `reused` ({layer: (T, D)}) that array as its token mixer's output, the mixer not run (both keep their state
+    as it was). -> the residual stream after the last layer, the new State, each run layer's token-mixer output."""
+    positions = state.length + np.arange(len(x))
+    layer_states, mixed = [], {}
+    for i, (kind, layer, layer_state) in enumerate(zip(cfg.layer_types, params["layers"], state.layers)):
+        if i not in skip:
+            if reused and i in reused:
+                mixed[i] = reused[i]
+            else:
+                mixed[i], layer_state, _ = token_mixer(x, kind, layer, layer_state, positions, cfg)
+            x = x + mixed[i]
+            x = x + feed_forward(x, layer, cfg)
+        layer_states.append(layer_state)
+    return x, State(tuple(layer_states), state.length + len(x)), mixed
+
+
+def lm_head(params, cfg, x):  # (T, D) residual stream -> logits (T, V), final-normed hidden (T, D)
+    hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    return hidden @ params["lm_head"].T, hidden
+
+
+def no_drafts(cfg):
+    return [], np.zeros((0, cfg.vocab_size), np.float32)
+
+
+def draft_from(cfg, step, token, k, sampling, rng):  # -> tokens (k,), q (k, V)
+    """A self-speculative chain: step(token) -> logits (V,) of the position after it, from the last context token."""
+    return draft_chain(step(token), step, k, sampling, rng) if k else no_drafts(cfg)
+
+
+def cheapened_drafter(name, params, cfg, skip=()):
+    """Drafts through the layers of `params` (the target's, or cheapened ones) but `skip`, from the observed state."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        state = draft_state
+
+        def step(token):
+            nonlocal state
+            x, state, _ = run_layers(params, cfg, params["embed_tokens"][[token]], state, skip)
+            return lm_head(params, cfg, x)[0][-1]
+        return *draft_from(cfg, step, context[-1], k, sampling, rng), draft_state
+    return Drafter(name, None, propose, observe=lambda draft_state, target_state: target_state)
+
+
+def partial_mlp_params(params, cfg, fraction, layers):
+    """Each SwiGLU of `layers` cut to the first round(fraction * F) (at least 1) of its F intermediate channels: the
+    first rows of gate_proj and up_proj, the first columns of down_proj. MoE: every routed expert and the shared
+    expert alike (routing is the target's). Copied contiguous, as a kernel for the smaller network would hold them."""
+    def kept(F):
+        return max(1, round(fraction * F))
+
+    def swiglu(m):
+        f = kept(m["gate_proj"].shape[0])
+        return {"gate_proj": m["gate_proj"][:f].copy(), "up_proj": m["up_proj"][:f].copy(),
+                "down_proj": np.ascontiguousarray(m["down_proj"][:, :f])}
+
+    def moe(m):
+        gate_up, down = m["experts"]["gate_up_proj"], m["experts"]["down_proj"]        # (E, 2F, D), (E, D, F)
+        F = down.shape[-1]
+        f = kept(F)
+        experts = {"gate_up_proj": np.concatenate([gate_up[:, :f], gate_up[:, F:F + f]], axis=1),
+                   "down_proj": np.ascontiguousarray(down[..., :f])}
+        return {**m, "experts": experts, "shared_expert": swiglu(m["shared_expert"])}
+    cut = moe if cfg.is_moe else swiglu
+    return {**params, "layers": [{**layer, "mlp": cut(layer["mlp"])} if i in layers else layer
+                                 for i, layer in enumerate(params["layers"])]}
+
+
+class MixerReuse(NamedTuple):
+    state: object        # the copy of the target's committed state
+    shadow: State        # the exact layers [0, last window layer] over every token the target consumed
+    last_two: dict       # {window layer: (<= 2, D)} its token mixer's outputs at the last consumed positions
+
+
+def mixer_reuse_drafter(name, params, cfg, window):
+    """Each window layer's token mixer output is the mean of its outputs at the two previous positions. The target's
+    verify pass computes the committed positions' outputs but does not keep them, so this drafter keeps its own: a
+    shadow of the exact layers up to the window's last, run over each newly committed token (the work an engine
+    would save by having its verify keep the window's last two mixer outputs; the lab times it apart)."""
+    shadow_params, shadow_cfg = first_layers(params, cfg, max(window) + 1)
+
+    def catch_up(draft_state, consumed):  # the shadow and the records over the tokens the target has consumed
+        new = consumed[draft_state.shadow.length:]
+        if not new:
+            return draft_state
+        _, shadow, mixed = run_layers(shadow_params, shadow_cfg, params["embed_tokens"][new], draft_state.shadow)
+        return draft_state._replace(shadow=shadow, last_two={i: np.concatenate([draft_state.last_two[i], mixed[i]])[-2:]
+                                                             for i in window})
+
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        if not k:
+            return *no_drafts(cfg), draft_state
+        draft_state = catch_up(draft_state, context[:-1])
+        state, last_two = draft_state.state, draft_state.last_two
+
+        def step(token):
+            nonlocal state, last_two
+            reused = {i: last_two[i].mean(axis=0, keepdims=True) for i in window}
+            x, state, _ = run_layers(params, cfg, params["embed_tokens"][[token]], state, reused=reused)
+            last_two = {i: np.concatenate([last_two[i], reused[i]])[-2:] for i in window}
+            return lm_head(params, cfg, x)[0][-1]
+        return *draft_from(cfg, step, context[-1], k, sampling, rng), draft_state
+    D = cfg.hidden_size
+    start = MixerReuse(None, empty_state(shadow_cfg), {i: np.zeros((0, D), np.float32) for i in window})
+    return Drafter(name, start, propose, observe=lambda draft_state, target_state: draft_state._replace(state=target_state))
+
+
+class ResidualReuse(NamedTuple):
+    state: object        # the copy of the target's committed state
+    scale: object        # the RMS of the update layers [0, L) make to the residual stream, over the prompt (float)
+
+
+def residual_reuse_drafter(name, params, cfg, L):
+    """Layers [0, L) left out: layer L's input is the token's embedding plus r * h / rms(h), with h the previous
+    position's final-normed hidden state (the target's at the first draft, new_hidden; then the drafter's own) and r
+    the RMS of what layers [0, L) add to the embedding, measured once per request over the prompt."""
+    bottom_params, bottom_cfg = first_layers(params, cfg, L)
+
+    def calibrate(prompt):
+        e = params["embed_tokens"][prompt]
+        x, _, _ = run_layers(bottom_params, bottom_cfg, e, empty_state(bottom_cfg))
+        return float(np.sqrt(np.mean((x - e) ** 2, axis=-1)).mean())
+
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        if not k:
+            return *no_drafts(cfg), draft_state
+        if draft_state.scale is None:          # the first call: the target has consumed the prompt
+            draft_state = draft_state._replace(scale=calibrate(context[:-1]))
+        state, previous = draft_state.state, new_hidden[-1]
+
+        def step(token):
+            nonlocal state, previous
+            x = params["embed_tokens"][[token]] + draft_state.scale * rms_norm(previous, 0, cfg.rms_norm_eps)
+            x, state, _ = run_layers(params, cfg, x, state, skip=range(L))
+            logits, hidden = lm_head(params, cfg, x)
+            previous = hidden[-1]
+            return logits[-1]
+        return *draft_from(cfg, step, context[-1], k, sampling, rng), draft_state
+    return Drafter(name, ResidualReuse(None, None), propose,
+                   observe=lambda draft_state, target_state: draft_state._replace(state=target_state))
+
+
+def on_vocabulary(token, p, shortlist, V):  # a draw among S shortlist ids, p (S,) -> its id, p over V (zero outside)
+    full = np.zeros(V, p.dtype)
+    full[shortlist] = p
+    return int(shortlist[token]), full
 
 
 # ----------------------------------------------------------------------------------------------------------------
