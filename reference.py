@@ -1641,8 +1641,79 @@ def read_ngram_table(path, vocab_size):
     return table
 
 
+# The self-speculative drafters' --draft forms (SELF_SPECULATIVE) and their shortlist files.
+
+def build_shortlist(sequences, size):
+    """A vocabulary shortlist for mtp-shortlist: the `size` most frequent token ids in `sequences` (ties to the
+    lower id), ascending. The lab takes them from the target's own continuations of training prompts."""
+    counts = np.bincount(np.concatenate([np.asarray(s, np.int64) for s in sequences]))
+    order = np.argsort(-counts, kind="stable")
+    return sorted(int(t) for t in order[:size] if counts[t])
+
+
+def read_shortlist(path, vocab_size):
+    """{"ids": [distinct token ids]}, every id in the vocabulary, at least one."""
+    ids = read_json(path)
+    ids = ids.get("ids") if isinstance(ids, dict) else None
+    if not (is_int_list(ids) and ids and len(set(ids)) == len(ids) and all(0 <= t < vocab_size for t in ids)):
+        raise UserError(f"{path}: not a shortlist (expected {{\"ids\": [distinct token ids in [0, {vocab_size})]}})")
+    return np.asarray(sorted(ids), np.int64)
+
+
+def parse_layers(spec, text, cfg):  # "1-3,6" -> (1, 2, 3, 6)
+    layers = set()
+    for part in text.split(","):
+        match = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part)
+        if not match:
+            raise UserError(f"--draft {spec}: layers {text!r} must be 0-based indices and ranges, e.g. 1-3,6")
+        low, high = int(match[1]), int(match[2] or match[1])
+        if not low <= high < cfg.num_hidden_layers:
+            raise UserError(f"--draft {spec}: {part} is not a layer or a range A-B (A <= B) of the target's layers "
+                            f"[0, {cfg.num_hidden_layers - 1}]")
+        layers.update(range(low, high + 1))
+    return tuple(sorted(layers))
+
+
+def partial_mlp_drafter(spec, args, params, cfg):
+    fraction, has_layers, layers = args.partition(":")
+    try:
+        fraction = float(fraction)
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction <= 1:
+        raise UserError(f"--draft {spec}: F must be a fraction in (0, 1]")
+    layers = parse_layers(spec, layers, cfg) if has_layers else tuple(range(cfg.num_hidden_layers))
+    return cheapened_drafter(spec, partial_mlp_params(params, cfg, fraction, layers), cfg)
+
+
+def residual_layer(spec, text, cfg):
+    if not (text.isdigit() and 1 <= int(text) < cfg.num_hidden_layers):
+        raise UserError(f"--draft {spec}: L must be a layer in [1, {cfg.num_hidden_layers - 1}]")
+    return int(text)
+
+
+def layers_drafter(build):  # build(spec, params, cfg, layers) -> the --draft NAME:LAYERS form's builder
+    return lambda spec, args, params, cfg: build(spec, params, cfg, parse_layers(spec, args, cfg))
+
+
+# --draft NAME:ARGS -> (spec, ARGS, params, cfg) -> Drafter
+SELF_SPECULATIVE = {
+    "partial-mlp": partial_mlp_drafter,
+    "skip-blocks": layers_drafter(cheapened_drafter),
+    "mixer-reuse": layers_drafter(mixer_reuse_drafter),
+    "residual-reuse": lambda spec, args, params, cfg: residual_reuse_drafter(spec, params, cfg,
+                                                                             residual_layer(spec, args, cfg)),
+    "mtp-shortlist": lambda spec, args, params, cfg: mtp_drafter(params, cfg, read_shortlist(args, cfg.vocab_size),
+                                                                 spec),
+}
+
+
+DRAFT_FORMS = ("none, ngram, mtp, skip:N, model:DIR, partial-mlp:F[:LAYERS], skip-blocks:LAYERS, mixer-reuse:LAYERS, "
+               "residual-reuse:L or mtp-shortlist:PATH")
+
+
 def make_drafter(spec, params, cfg, ngram_table=None):
-    """--draft {none,ngram,mtp,skip:N,model:DIR} -> Drafter or None."""
+    """--draft (DRAFT_FORMS) -> Drafter or None."""
     if spec == "none":
         return None
     if spec == "ngram":
@@ -1660,7 +1731,10 @@ def make_drafter(spec, params, cfg, ngram_table=None):
         if draft_cfg.vocab_size != cfg.vocab_size:
             raise UserError(f"--draft {spec}: vocab_size {draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}")
         return model_drafter(draft_params, draft_cfg, spec)
-    raise UserError(f"--draft {spec!r}: expected none, ngram, mtp, skip:N or model:DIR")
+    name, _, args = spec.partition(":")
+    if name in SELF_SPECULATIVE:
+        return SELF_SPECULATIVE[name](spec, args, params, cfg)
+    raise UserError(f"--draft {spec!r}: expected {DRAFT_FORMS}")
 
 
 def run(args, backend):
@@ -1702,7 +1776,8 @@ def reference_generate(params, cfg, prompt, args, on_tokens):
 
 REFERENCE = Backend(
     "reference.py", "Qwen3.5 hybrid model in NumPy, with speculative decoding.",
-    "none, ngram, mtp, skip:N or model:DIR", add_flags=lambda parser: None,
+    f"{DRAFT_FORMS} (LAYERS: 0-based layers and ranges, e.g. 1-3,6; docs/self-speculative.md)",
+    add_flags=lambda parser: None,
     context=lambda args: contextlib.nullcontext(), load=lambda args: load_model(args.model),
     prompt_logits=lambda params, cfg, prompt: forward(params, cfg, prompt, empty_state(cfg))[0],
     generate=reference_generate, summary=summary, main_process=lambda: True)

@@ -151,7 +151,7 @@ ERRORS = [
     (lambda p: ["--prompt-ids", "1,4096"], r"prompt token id 4096 is outside the vocabulary \[0, 4096\)"),
     (lambda p: ["--prompt-ids", ",".join(["1"] * 4097)], "the prompt has 4097 tokens, more than max_position_embeddings=4096"),
     (lambda p: ["--prompt", "x", "--prompt-ids", "1"], "give exactly one of --prompt and --prompt-ids"),
-    (lambda p: ["--prompt", "x", "--draft", "tree"], "--draft 'tree': expected none, ngram, mtp, skip:N or model:DIR"),
+    (lambda p: ["--prompt", "x", "--draft", "tree"], "--draft 'tree': expected none, ngram, mtp, skip:N, model:DIR, partial-mlp:F"),
     (lambda p: ["--prompt", "x", "--draft", "skip:99"], r"--draft skip:99: N must be in \[1, 8\]"),
     (lambda p: ["--prompt", "x", "--draft", "mtp", "--model", str(ROOT / "weights" / "tiny-dense")], "the MTP drafter needs mtp.\\* weights"),
     (lambda p: ["--prompt", "x", "--rollback", "undo"], "argument --rollback: invalid choice: 'undo'"),
