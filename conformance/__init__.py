@@ -7,6 +7,11 @@
     python -m conformance serve --engine NAME      a Python adapter as a process engine (INTERPRETING.md section 8)
     python -m conformance generate [--check]       rebuild cases/ from reference.py (deterministic; in a clone)
 
+What ships (the checker): runner.py, format.py (the case format), chisquare.py (the statistical pack's test), rules.py
+(the wrong rules a decision must tell apart), protocol.py and adapter_server.py (the process protocol), engines/,
+cases/, expectations/, tolerances.json. What makes the goldens, in a clone only: make/ (the generator and the suite's
+proofs of power); nothing that ships imports it.
+
 Installed from the wheel, this package is qwen35.conformance and the command is `qwen35-conformance`.
 INTERPRETING.md is the contract for engine authors and for readers of the goldens in other languages.
 """

@@ -64,11 +64,11 @@ def parse_args(argv):
 
 def generate(args):
     try:
-        from . import generate as generator
-    except ModuleNotFoundError as e:   # the generator imports the spec as a clone lays it out
-        if KIT and e.name in ("reference", "conformance"):
-            raise R.UserError("generate rebuilds the goldens of a clone of the repository: run `python -m "
-                              "conformance generate` there") from None
+        from .make import generate as generator
+    except ModuleNotFoundError as e:   # conformance/make/, the generator, is a tool of a clone: not in the kit
+        if e.name == f"{__package__}.make":
+            raise R.UserError("generate rebuilds the goldens of a clone of the repository (conformance/make/ is not "
+                              "part of the installed kit): run `python -m conformance generate` in a clone") from None
         raise
     if not args.check:
         generator.generate(args.out)
@@ -90,7 +90,7 @@ def main(argv=None):
                     meta = read_manifest(folder)
                     print(f"{meta['name']:<52} {meta['kind']:<16} {' '.join(meta['features'])}")
         elif args.command == "serve":
-            from .serve import serve
+            from .adapter_server import serve
             return serve(args.engine, args.tensors, args.batched_traces)
         else:
             return run(args.engine, args.cases, args.report, args.dir, args.expectations,

@@ -123,7 +123,7 @@ class Output(NamedTuple):
     value: np.ndarray
     requires: str | None = None  # a feature without which this output is not compared (e.g. state_export)
     ties: dict | None = None     # greedy tokens: {step: [token, other token]} where the top-2 logits are within tolerance
-    test: dict | None = None     # draws: the chi-square test (draws.py); its "bins" array is stored as <name>.bins
+    test: dict | None = None     # draws: the chi-square test (chisquare.py, sized by make/draws.py); its "bins" array is stored as <name>.bins
 
 
 class Case(NamedTuple):

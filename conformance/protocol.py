@@ -1,5 +1,5 @@
 """The engine protocol's messages (INTERPRETING.md section 8), for both ends: the runner's (engines/process.py) and
-`python -m conformance serve`'s (serve.py). One JSON object per line; a tensor is an object, either inline
+`python -m conformance serve`'s (adapter_server.py). One JSON object per line; a tensor is an object, either inline
 
     {"dtype": "F32", "shape": [2, 3], "data": "<base64 of the little-endian values, row-major>"}
 

@@ -14,7 +14,7 @@ import numpy as np
 import safetensors.numpy
 
 from . import reference as R
-from .draws import bin_totals, chi_square
+from .chisquare import bin_totals, chi_square
 from .engines import get_engine
 from .format import (CASES_DIR, EXPECTED, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs, features_named, read_manifest,
                      read_tensors, trace_batches)

@@ -6,7 +6,7 @@ import numpy as np
 from test_conformance import run_quietly
 
 import reference as R
-from conformance import golden as G
+from conformance.make import golden as G
 from conformance.engines import llama_cpp as adapter
 from conformance.engines.llama_cpp import LlamaCpp, ServedTrace, with_mrope_section
 from conformance.format import CASES_DIR, TOLERANCES, checkpoint_dir, read_manifest

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import reference as R
-from conformance import generate as G
+from conformance.make import generate as G
 from conformance.format import CASES_DIR, EXPECTED, MANIFEST, REGENERATE, TOLERANCES, read_tensors
 from conftest import ROOT
 

@@ -10,6 +10,7 @@ import sys
 import sysconfig
 import textwrap
 import tomllib
+import zipfile
 
 import pytest
 
@@ -96,8 +97,6 @@ def test_the_wheel_holds_the_kit_within_its_size_limit(kit):
     assert check([bin_dir / "python", "-c", no_generic_names], elsewhere, env).stdout.strip() == "[]"
 
 
-# The generator writes a clone's goldens (python -m conformance generate): it imports the spec as a clone lays it out.
-CLONE_ONLY = {"qwen35.conformance.generate", "qwen35.conformance.golden", "qwen35.conformance.traces"}
 IMPORT_ALL = """
 import importlib, pkgutil, sys
 import qwen35.conformance, qwen35.jax_impl
@@ -112,7 +111,18 @@ for package in (qwen35.conformance, qwen35.jax_impl):
 def test_every_installed_module_imports(kit):
     """Adapters included: the venv sees the test environment's torch, jax, mlx and llama_cpp."""
     bin_dir, elsewhere, env, _ = kit
-    check([bin_dir / "python", "-c", IMPORT_ALL, *CLONE_ONLY], elsewhere, env)
+    check([bin_dir / "python", "-c", IMPORT_ALL], elsewhere, env)
+
+
+def test_the_kit_ships_the_checker_without_the_golden_generator(kit):
+    """conformance/make/ (the generator and the suite's proofs of power) is a tool of a clone; nothing the kit ships
+    imports it (test_every_installed_module_imports would fail), and `generate` says where it runs."""
+    bin_dir, elsewhere, env, wheel = kit
+    with zipfile.ZipFile(wheel) as archive:
+        assert not [n for n in archive.namelist() if n.startswith("qwen35/conformance/make/")]
+    run = subprocess.run([bin_dir / "qwen35-conformance", "generate", "--check"], cwd=elsewhere, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "in a clone" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def test_the_reference_command_line_runs_the_embedded_model(kit):

@@ -1,4 +1,4 @@
-"""The suite proves its power (conformance/mutants.py): the slots engine passes every case, and each realistic one-line
+"""The suite proves its power (conformance/make/mutants.py): the slots engine passes every case, and each realistic one-line
 bug in it makes the serving traces report an unexpected FAIL or ERROR naming a case."""
 
 import re
@@ -7,7 +7,7 @@ from functools import lru_cache
 import pytest
 
 import reference as R
-from conformance import mutants as M
+from conformance.make import mutants as M
 from conformance import runner
 from conformance.format import HERE, case_dirs, read_manifest
 
@@ -62,7 +62,7 @@ def test_interpreting_md_reports_every_mutant_and_how_many_the_traces_catch():
 
 def check_documented(mutant, caught):
     assert documented_rows()[mutant.name] == M.table_row(mutant, caught), (
-        "INTERPRETING.md's row differs from the catalogue or from the measurement: run `python -m conformance.mutants` "
+        "INTERPRETING.md's row differs from the catalogue or from the measurement: run `python -m conformance.make.mutants` "
         "and update its table")
 
 
@@ -71,7 +71,7 @@ def test_the_traces_catch_each_mutant(mutant, record_property):
     caught = M.first_catch(mutant)
     if mutant.escapes:
         assert caught is None, (f"{mutant.name} is now caught by {caught.name}: remove its `escapes` in "
-                                "conformance/mutants.py and update INTERPRETING.md")
+                                "conformance/make/mutants.py and update INTERPRETING.md")
     else:
         assert caught is not None, f"no trace catches {mutant.name}: {mutant.does}"
         assert caught.unexpected and caught.status in ("FAIL", "ERROR") and caught.name.startswith("trace-")

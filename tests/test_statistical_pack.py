@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import reference as R
-from conformance import draws, rules, runner
+from conformance import chisquare, rules, runner
+from conformance.make import draws
 from conformance.__main__ import main
 from conformance.engines import register_engine
 from conformance.engines.reference import Reference
@@ -76,7 +77,7 @@ def test_a_correct_engine_fails_a_case_at_the_stated_rate(folder):
                                                                           for i in range(len(P))]
     rng, simulations = np.random.default_rng(1), 200_000
     statistics = np.zeros(simulations)
-    for p in draws.group_bins(P.astype(np.float64), bins, groups):
+    for p in chisquare.group_bins(P.astype(np.float64), bins, groups):
         counts = rng.multinomial(n, p / p.sum(), size=simulations)
         statistics += ((counts - n * p) ** 2 / (n * p)).sum(axis=1)
     alarms = int((statistics > spec["test"]["critical"]).sum())
@@ -94,7 +95,7 @@ def test_speculative_outcomes_is_what_accept_speculative_draws():
     np.add.at(counts, (accepted, tokens), 1)
     P = R.speculative_outcomes(list(inputs["drafts"]), inputs["q"].astype(np.float64),
                                R.probabilities(inputs["verify_logits"].astype(np.float64), sampling))
-    bins, count = draws.pooled_bins(P, n, [range(P.size)])
-    statistic, impossible = draws.chi_square(counts, P, bins, n)
+    bins, count = chisquare.pooled_bins(P, n, [range(P.size)])
+    statistic, impossible = chisquare.chi_square(counts, P, bins, n)
     from scipy import stats
     assert impossible == 0 and stats.chi2.sf(statistic, count - 1) > 1e-3

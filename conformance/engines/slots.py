@@ -1,5 +1,5 @@
 """The slots engine: serving traces run the way production engines lay out memory, in NumPy. It is the worked example
-of serving a hybrid model correctly, and the engine that conformance/mutants.py breaks one line at a time.
+of serving a hybrid model correctly, and the engine that conformance/make/mutants.py breaks one line at a time.
 
 Its math is reference.py's, one row at a time; its memory and bookkeeping are an engine's:
 * B slots (attrs.slots) of fixed-size arrays per layer: DeltaNet S (B, Hv, Dk, Dv) and conv windows (B, W-1, C),

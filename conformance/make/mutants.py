@@ -1,7 +1,7 @@
 """The suite proves its power: a catalogue of realistic one-line bugs in the slots engine (conformance/engines/slots.py),
 the ones serving engines have shipped or could ship, each of which the serving traces must catch (INTERPRETING.md,
 section 4, "What the traces catch"). tests/test_mutants.py applies each to a copy of the engine and requires the runner
-to report an unexpected FAIL or ERROR naming a case; `python -m conformance.mutants` prints the case that catches each
+to report an unexpected FAIL or ERROR naming a case; `python -m conformance.make.mutants` prints the case that catches each
 one first.
 """
 
@@ -12,11 +12,11 @@ import types
 from pathlib import Path
 from typing import NamedTuple
 
-from . import runner
-from .engines import ENGINES
+from .. import runner
+from ..engines import ENGINES
 
-SLOTS = Path(__file__).parent / "engines" / "slots.py"
-ENGINES_PACKAGE = f"{__package__}.engines"         # conformance.engines in a clone, qwen35.conformance.engines installed
+SLOTS = Path(runner.__file__).parent / "engines" / "slots.py"
+ENGINES_PACKAGE = runner.__package__ + ".engines"      # conformance.engines
 REGISTRATION = '@register_engine("slots")'
 TRACES = "^trace-"
 

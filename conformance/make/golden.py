@@ -1,15 +1,15 @@
 """What every golden is built from: the checkpoints in float64, inputs drawn from generators seeded by name, and the
 discrete outcomes (greedy steps, accept decisions, sampled tokens) kept clear of the edges where an engine's rounding
-could flip them. conformance/generate.py (the cases) and conformance/traces.py (the serving traces) share it."""
+could flip them. generate.py (the cases), traces.py (the serving traces) and draws.py (the statistical pack) share it."""
 
 import zlib
 from functools import lru_cache
 
 import numpy as np
 
-from . import reference as R
-from . import rules
-from .format import TOLERANCES, Output, checkpoint_dir, state_tensors
+from .. import reference as R
+from .. import rules
+from ..format import TOLERANCES, Output, checkpoint_dir, state_tensors
 
 DRAFT_LEN = 4                     # K
 GREEDY = R.Sampling(0.0, 0, 1.0)

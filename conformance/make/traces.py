@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-import reference as R
-from conformance import golden as G
-from conformance.format import Case, Output, trace_batches
+from .. import reference as R
+from ..format import Case, Output, trace_batches
+from . import golden as G
 
 DRAFT_LEN = G.DRAFT_LEN           # K
 

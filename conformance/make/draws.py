@@ -11,57 +11,16 @@ false-alarm rate, and the number of draws, the least of DRAWS for which the test
 
 import numpy as np
 
-from . import reference as R
-from . import rules
-from .format import TOLERANCES, Case, Output
+from .. import reference as R
+from .. import rules
+from ..chisquare import TEST, bin_totals, group_bins, pooled_bins
+from ..format import Case, Output
 from .golden import CANDIDATES, rng_for
 
-TEST = TOLERANCES["draws"]
 DRAWS = (250, 500, 1000, 2000, 4000, 8000, 16000)
 V, K = 64, 3                      # a vocabulary of 64 (so few draws fill the bins); K drafts
 ATTEMPTS = 100                    # draws of a case's logits (and drafts) tried
 SIMULATIONS, CHUNK = 400_000, 50_000   # simulated correct engines that set a case's critical value
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The test: used by the generator (bins, critical value, power) and by the runner (the statistic).
-
-def pooled_bins(P, n, groups):
-    """Bins for counts of n draws per group of outcomes (lists of flat indices into P, each a distribution): an
-    outcome expected at least min_expected times is a bin of its own; a group's others share one bin, or join its
-    least expected bin when even together they fall short. -> (bins like P, -1 where P == 0; the number of bins)"""
-    flat, bins, count = P.ravel(), np.full(P.size, -1, np.int64), 0
-    for group in groups:
-        live = np.asarray(group)[flat[list(group)] > 0]
-        expected = n * flat[live] / flat[live].sum()
-        big = expected >= TEST["min_expected"]
-        own = count + np.arange(big.sum())
-        bins[live[big]] = own
-        if not big.all():
-            pooled = n * flat[live[~big]].sum() / flat[live].sum() >= TEST["min_expected"] or not big.any()
-            bins[live[~big]] = count + big.sum() if pooled else own[np.argmin(expected[big])]
-        count = int(bins.max()) + 1
-    return bins.reshape(P.shape), count
-
-
-def bin_totals(values, bins):
-    live = bins >= 0
-    return np.bincount(bins[live], weights=values[live], minlength=int(bins.max()) + 1)
-
-
-def chi_square(counts, P, bins, n):
-    """Pearson's statistic of counts (P's shape) against n draws per group of P -> (statistic, draws of outcomes
-    P gives no chance)."""
-    expected = bin_totals(n * P.astype(np.float64), bins)
-    observed = bin_totals(counts.astype(np.float64), bins)
-    return float(((observed - expected) ** 2 / expected).sum()), int(counts[bins < 0].sum())
-
-
-def group_bins(P, bins, groups):
-    """Per group: its bins' probabilities (the outcomes P gives no chance left out)."""
-    flat_p, flat_bins = P.ravel(), bins.ravel()
-    return [bin_totals(flat_p[list(group)], flat_bins[list(group)])[np.unique(flat_bins[list(group)][
-        flat_bins[list(group)] >= 0])] for group in groups]
 
 
 def critical_value(P, bins, n, groups, rng):
@@ -78,7 +37,7 @@ def critical_value(P, bins, n, groups, rng):
 def detection(P0, P1, bins, n, groups, df, critical):
     """The chance that the test fails an engine whose outcomes follow P1 instead of P0 (noncentral chi-square with
     noncentrality n * sum over bins of (P1 - P0)^2 / P0), or that it draws an outcome P0 gives no chance."""
-    from scipy import stats           # the generator's only
+    from scipy import stats           # the generator's only use of scipy
     p0, p1 = bin_totals(P0, bins), bin_totals(P1, bins)
     noncentrality = n * float(((p1 - p0) ** 2 / p0).sum())
     impossible = P1.ravel() * (bins.ravel() < 0)

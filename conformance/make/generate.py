@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-import reference as R
-from conformance.format import (EXPECTED, INPUTS, MANIFEST, TOLERANCES, Case, Output, case_dirs, checkpoint_dir,
+from .. import reference as R
+from ..format import (EXPECTED, INPUTS, MANIFEST, TOLERANCES, Case, Output, case_dirs, checkpoint_dir,
                                 read_tensors, write_case)
-from conformance.golden import (DRAFT_LEN, GREEDY, checkpoint_features, discriminating_rows, f32, f64, i64, model,
+from .golden import (DRAFT_LEN, GREEDY, checkpoint_features, discriminating_rows, f32, f64, i64, model,
                                 rng_for, runner_up, sampled_drafts, sampling_attrs, state_outputs, undiscriminated)
-from conformance.draws import draws_cases
-from conformance.traces import trace_cases
+from .draws import draws_cases
+from .traces import trace_cases
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
                "tiny-draft")
