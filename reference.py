@@ -880,7 +880,8 @@ def mixer_reuse_drafter(name, params, cfg, window):
         return *draft_from(cfg, step, context[-1], k, sampling, rng), draft_state
     D = cfg.hidden_size
     start = MixerReuse(None, empty_state(shadow_cfg), {i: np.zeros((0, D), np.float32) for i in window})
-    return Drafter(name, start, propose, observe=lambda draft_state, target_state: draft_state._replace(state=target_state))
+    return Drafter(name, start, propose,
+                   observe=lambda draft_state, target_state: draft_state._replace(state=target_state))
 
 
 class ResidualReuse(NamedTuple):

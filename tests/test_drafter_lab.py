@@ -83,6 +83,12 @@ def test_breakeven_acceptance():
     assert 0 < free < L.breakeven_acceptance(0.6, L.datasheet_cycle_share(L.M.H200)) < 1
 
 
+def test_predicted_speedup_takes_the_best_k():
+    figures = {1: {"tokens_per_call": 1.8, "acceptance": 0.8}, 2: {"tokens_per_call": 2.0, "acceptance": 0.5}}
+    assert L.predicted_speedup(figures, 0.3, lambda K, a: 1.0) == (1, pytest.approx(1.8 / 1.3))
+    assert L.predicted_speedup(figures, 0.0, lambda K, a: 1.0) == (2, pytest.approx(2.0))
+
+
 def test_speculation_counts_acceptance_and_tokens_per_call():
     cfg, params = model("tiny-mtp")
     drafters = [R.make_drafter(s, params, cfg) for s in ("partial-mlp:1", "skip-blocks:3")]
@@ -106,6 +112,7 @@ def test_the_lab_end_to_end_on_a_tiny_checkpoint(tmp_path):
     assert {r["label"] for r in rows.values()} >= {"ngram", "mtp", "mtp-shortlist:64", "partial-mlp:0.25", "skip:4"}
     assert rows["ngram"]["quality"] is None and rows["mtp"]["quality"]["top1"] >= 0
     assert all(set(r["speculation"]) == set(L.KS) and r["jax_impl_speedup"] is None for r in rows.values())
+    assert all(r["predicted_h200"][0] in L.KS and r["predicted_h200"][1] > 0 for r in rows.values())
     text = L.report(results, "python -m bench.drafter_lab")
     assert text.count("not ported") == len(rows) and "teacher forced top-1" in text
     json.dumps(results)                                             # the --json output

@@ -395,7 +395,7 @@ def test_observe_hands_over_the_committed_state_before_every_round():
     (["--draft", "partial-mlp:1.5"], r"--draft partial-mlp:1.5: F must be a fraction in \(0, 1\]"),
     (["--draft", "partial-mlp:nan"], r"F must be a fraction in \(0, 1\]"),
     (["--draft", "partial-mlp:half"], r"F must be a fraction in \(0, 1\]"),
-    (["--draft", "partial-mlp:0.5:9"], r"--draft partial-mlp:0.5:9: 9 is not a layer .* of the target's layers \[0, 7\]"),
+    (["--draft", "partial-mlp:0.5:9"], r"partial-mlp:0.5:9: 9 is not a layer .* of the target's layers \[0, 7\]"),
     (["--draft", "partial-mlp:0.5:"], r"layers '' must be 0-based indices and ranges"),
     (["--draft", "skip-blocks:3-1"], r"skip-blocks:3-1: 3-1 is not a layer or a range A-B \(A <= B\) of the"),
     (["--draft", "skip-blocks:1;2"], r"layers '1;2' must be 0-based indices and ranges"),
