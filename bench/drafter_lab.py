@@ -336,6 +336,10 @@ def block_scan(params, cfg, runs, positions):
     return dict(sorted(scores.items(), key=lambda item: item[1]))
 
 
+def shown(spec):  # the spec as the results name it: a shortlist file's path relative to the repository
+    return spec.replace(f"{ROOT}/", "")
+
+
 def label(spec):
     name, _, args = spec.partition(":")
     if name == "mtp-shortlist":
@@ -357,15 +361,15 @@ def lab(params, cfg, prompts, discovery, shortlists, new_tokens, positions, repe
     for spec, d in zip(specs, drafters):
         start = time.perf_counter()
         calls = [teacher_forced_calls(d, run, positions) for run in runs]
-        rows[spec] = {"label": label(spec), "mac_share": mac_share(spec, cfg, context),
-                      "quality": quality(d, runs, positions, calls),
-                      "gap": free_running_gap(d, runs, calls=calls) if d.name != "ngram" else None}
+        rows[shown(spec)] = {"label": label(spec), "mac_share": mac_share(spec, cfg, context),
+                             "quality": quality(d, runs, positions, calls),
+                             "gap": free_running_gap(d, runs, calls=calls) if d.name != "ngram" else None}
         log(f"  {label(spec)}: teacher forced and free running in {time.perf_counter() - start:.1f} s")
     log("measuring one draft token against one decode step (interleaved) ...")
     shares, decode_s = measured_shares(params, cfg, drafters, runs[0], repeats)
     ratios = verify_ratios(params, cfg, runs[0], repeats)
     for spec, d in zip(specs, drafters):
-        rows[spec]["measured_share"] = shares[d.name]
+        rows[shown(spec)]["measured_share"] = shares[d.name]
     log(f"  decode step {decode_s * 1e3:.2f} ms; verify / decode " + ", ".join(f"K={K}: {r:.2f}"
                                                                            for K, r in ratios.items()))
     prefill_s = [interleaved_medians([lambda p=p: R.forward(params, cfg, p, R.empty_state(cfg))], 3)[0]
@@ -374,10 +378,10 @@ def lab(params, cfg, prompts, discovery, shortlists, new_tokens, positions, repe
         f"plain sampling interleaved ...")
     spec_figures = speculation(params, cfg, drafters, prompts, new_tokens, prefill_s, on_progress=log)
     for spec, d in zip(specs, drafters):
-        rows[spec]["speculation"] = spec_figures[d.name]
-        rows[spec]["jax_impl_speedup"] = None          # not ported yet: the jax_impl column's place
-        rows[spec]["predicted_h200"] = predicted_speedup(spec_figures[d.name], rows[spec]["mac_share"],
-                                                         datasheet_cycle_share(M.H200))
+        row = rows[shown(spec)]
+        row["speculation"] = spec_figures[d.name]
+        row["jax_impl_speedup"] = None          # not ported yet: the jax_impl column's place
+        row["predicted_h200"] = predicted_speedup(row["speculation"], row["mac_share"], datasheet_cycle_share(M.H200))
     return {"model": "weights/default", "prompts": len(prompts), "prompt_tokens": len(prompts[0]),
             "new_tokens": new_tokens, "positions": positions, "block_scan": scan, "decode_ms": decode_s * 1e3,
             "verify_ratios": ratios, "rows": rows}
