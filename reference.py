@@ -1445,7 +1445,7 @@ def missing_extra(error, extra, needed_by):
     if package in ("", "reference", "conformance", "jax_impl", "qwen35"):
         raise error
     return UserError(f"{needed_by} needs {package}, which is not installed: install the kit with its `{extra}` "
-                     f"extra (pip install \".[{extra}]\" in the repository)")
+                     f"extra (pip install \"KIT[{extra}]\", KIT the wheel or the repository folder it came from)")
 
 
 SEED_RANGE = (0, 2**32 - 1)          # numpy's Generator takes any non-negative int; jax.random.key without x64, 32 bits

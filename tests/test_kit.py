@@ -125,6 +125,18 @@ def test_the_kit_ships_the_checker_without_the_golden_generator(kit):
     assert run.returncode == 2 and "in a clone" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
+def test_where_names_the_installed_kits_files(kit):
+    bin_dir, elsewhere, env, wheel = kit
+    rows = dict(line.split(":", 1) for line in check([bin_dir / "qwen35-conformance", "where"], elsewhere,
+                                                     env).stdout.splitlines())
+    rows = {name: value.strip() for name, value in rows.items()}
+    assert rows["version"].startswith(wheel.name.split("-")[1] + ", suite version ")
+    assert rows["layout"] == "installed kit (qwen35.conformance)"
+    for name in ("package", "cases", "expectations", "examples", "interpreting", "checkpoints"):
+        assert rows[name].startswith(str(bin_dir.parent)) and os.path.exists(rows[name]), (name, rows[name])
+    assert rows["failing outputs"].startswith(str(elsewhere / "qwen35-conformance-out"))
+
+
 def test_the_reference_command_line_runs_the_embedded_model(kit):
     bin_dir, elsewhere, env, _ = kit
     run = check([bin_dir / "qwen35-reference", "--prompt", "def fibonacci(n):", "--max-new-tokens", "8", "--json"],
@@ -136,7 +148,7 @@ def test_the_reference_command_line_runs_the_embedded_model(kit):
 def test_the_suite_runs_from_another_directory(kit):
     bin_dir, elsewhere, env, _ = kit
     listed = check([bin_dir / "qwen35-conformance", "list"], elsewhere, env).stdout.splitlines()
-    assert len(listed) == len(case_dirs())
+    assert len(listed) == len(case_dirs()) + 1 and listed[-1].endswith("in the statistical pack for `sample`")
     check([bin_dir / "qwen35-conformance", "run", "--engine", "reference", "--report", "reference.json"], elsewhere, env)
     report = json.loads((elsewhere / "reference.json").read_text())
     assert report["summary"]["PASS"] == len(report["cases"]) >= len(case_dirs())
@@ -161,6 +173,8 @@ def test_an_engine_in_its_own_package_with_its_own_expectations(kit, tmp_path):
         assert cases["op-l2norm"]["status"] == "PASS"
         assert cases["op-rms_norm"]["status"] == "FAIL" and not cases["op-rms_norm"]["unexpected"]
         assert cases["op-rope-Dh16-partial0.25"]["note"] == "lacks rope: two primitives only"
+    assert len(list((elsewhere / "qwen35-conformance-out").glob("*/op-rms_norm.safetensors"))) == 2
+    assert not list((bin_dir.parent / "lib").rglob("op-rms_norm.safetensors"))     # nothing in site-packages
     run = check([bin_dir / "qwen35-conformance", "run", "--engine", "myengine", "--expectations", "missing.json"],
                 elsewhere, env, code=2)
     assert run.stderr.strip() == "error: missing.json: cannot read it (No such file or directory)"
@@ -174,7 +188,7 @@ def test_an_engine_without_its_dependency_names_the_extra(engine, blocked):
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert run.stderr.startswith(f"error: engine {engine} needs {blocked}, which is not installed")
-    assert f"`{EXTRAS[engine]}` extra" in run.stderr
+    assert f"`{EXTRAS[engine]}` extra (pip install \"KIT[{EXTRAS[engine]}]\", KIT the wheel or the repository" in run.stderr
 
 
 @pytest.mark.parametrize("module, args", [("jax_impl", ["--prompt-ids", "1,2"]), ("weights.evaluate", ["weights/default"])])
