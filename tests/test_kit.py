@@ -180,6 +180,34 @@ def test_an_engine_in_its_own_package_with_its_own_expectations(kit, tmp_path):
     assert run.stderr.strip() == "error: missing.json: cannot read it (No such file or directory)"
 
 
+def test_the_pytest_plugin_runs_the_suite_as_an_engines_own_tests(kit, tmp_path):
+    """The kit's pytest11 entry point: a shipped engine passes, the stranger's engine xfails its known failure and
+    skips what it lacks, and without its expectations fails with the runner's report."""
+    bin_dir, _, env, _ = kit
+    (tmp_path / "myengine").mkdir()
+    (tmp_path / "myengine" / "__init__.py").write_text("")
+    (tmp_path / "myengine" / "engine.py").write_text(textwrap.dedent(PLUGIN_ENGINE))
+    (tmp_path / "mine.json").write_text(json.dumps(PLUGIN_EXPECTATIONS))
+    (tmp_path / "none.json").write_text("{}")
+    (tmp_path / "tests").mkdir()
+    env = {**env, "PYTHONPATH": str(tmp_path)}
+    pytest_ = [bin_dir / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--qwen35-cases", "^op-"]
+    ops = sum(folder.name.startswith("op-") for folder in case_dirs())
+    run = check([*pytest_, "--qwen35-engine", "reference"], tmp_path / "tests", env)
+    assert f"{ops} passed" in run.stdout.splitlines()[-1], run.stdout
+    run = check([*pytest_, "--qwen35-engine", "myengine.engine:MyEngine", "--qwen35-expectations=../mine.json"],
+                tmp_path / "tests", env)
+    assert f"1 passed, {ops - 2} skipped, 1 xfailed" in run.stdout.splitlines()[-1], run.stdout
+    run = check([*pytest_, "--qwen35-engine", "myengine.engine:MyEngine", "--qwen35-expectations=../none.json",
+                 "-k", "l2norm or rms_norm and not gated"], tmp_path / "tests", env, code=1)
+    assert f"1 failed, 1 passed, {ops - 2} deselected" in run.stdout.splitlines()[-1], run.stdout
+    report = run.stdout[run.stdout.index("qwen35-conformance::op-rms_norm"):]
+    assert "op-rms_norm  FAIL!" in report and "elements outside atol=" in report and "Traceback" not in report
+    assert "FAILED qwen35-conformance::op-rms_norm" in run.stdout
+    assert (tmp_path / "tests" / "qwen35-conformance-out" / "myengine.engine_MyEngine" / "op-rms_norm.safetensors"
+            ).is_file()
+
+
 @pytest.mark.parametrize("engine, blocked", [("transformers", "torch"), ("llama_cpp", "llama_cpp"), ("mlx", "mlx"),
                                              ("jax", "jax"), ("jax_bf16", "jax")])
 def test_an_engine_without_its_dependency_names_the_extra(engine, blocked):
