@@ -65,7 +65,8 @@ def get_engine(spec, timeout=None):
     try:
         return checked(engine, spec)
     except EngineError:
-        engine.close()      # an engine that is refused holds nothing afterwards (a process engine: its process)
+        if isinstance(engine, Engine):   # a refused engine holds nothing afterwards (a process engine: its process)
+            engine.close()
         raise
 
 
