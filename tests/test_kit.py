@@ -206,6 +206,8 @@ def test_the_pytest_plugin_runs_the_suite_as_an_engines_own_tests(kit, tmp_path)
     assert "FAILED qwen35-conformance::op-rms_norm" in run.stdout
     assert (tmp_path / "tests" / "qwen35-conformance-out" / "myengine.engine_MyEngine" / "op-rms_norm.safetensors"
             ).is_file()
+    run = check([*pytest_, "--qwen35-engine", "nosuch"], tmp_path / "tests", env, code=4)
+    assert "--qwen35-engine: no engine 'nosuch'; known: " in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("engine, blocked", [("transformers", "torch"), ("llama_cpp", "llama_cpp"), ("mlx", "mlx"),
