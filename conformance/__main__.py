@@ -1,4 +1,4 @@
-"""Command line: list, run, sample, serve, where, generate (see conformance/__init__.py)."""
+"""Command line: list, run, sample, serve, check-server, where, generate (see conformance/__init__.py)."""
 
 import argparse
 import re
@@ -56,6 +56,23 @@ def parse_args(argv):
                        help="how tensors travel: base64 in the JSON lines, or safetensors files")
     serve.add_argument("--batched-traces", action="store_true",
                        help="take whole serving traces in one request (run_trace) instead of step by step")
+    check = sub.add_parser("check-server", help="send scenario requests to a running server and hold every returned "
+                           "token to the spec (INTERPRETING.md, \"Checking a running server\")")
+    check.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    check.add_argument("--model", required=True, type=Path, metavar="DIR", help="the checkpoint the server loaded")
+    check.add_argument("--scenarios", type=regex, metavar="REGEX", help="only scenario names matching this")
+    check.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default 64)")
+    check.add_argument("--report", type=Path, metavar="PATH.json", help="write the results as JSON")
+    check.add_argument("--dialect", default="jax_impl", help="the server's API: jax_impl, vllm, vllm-logprobs, "
+                       "sglang, text (server_dialects.py; default jax_impl)")
+    check.add_argument("--precision", default="float32", help="the server's: float32 or bfloat16 (the near-tie "
+                       "margin, tolerances.json \"server\")")
+    check.add_argument("--draft", help="jax_impl dialect: every request's drafter (none, ngram, mtp; default: each "
+                       "scenario request's own)")
+    check.add_argument("--served-model-name", help="the \"model\" field sent (default: the checkpoint folder's name)")
+    check.add_argument("--context", type=int, help="the server's context limit, where it is below the checkpoint's "
+                       "max_position_embeddings (\"context\" scenario lengths fill it)")
+    check.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default 600)")
     sub.add_parser("where", help="where the kit is: its package, cases, expectations, examples, and its version")
     gen = sub.add_parser("generate", help="rebuild the cases from reference.py (in a clone of the repository)")
     gen.add_argument("--out", type=Path, default=CASES_DIR, help="folder to write (default: conformance/cases)")
@@ -121,6 +138,14 @@ def main(argv=None):
         args = parse_args(argv)
         if args.command == "generate":
             return generate(args)
+        if args.command == "check-server":
+            from .check_server import ServerError, check_server
+            try:
+                return check_server(args.url, args.model, args.scenarios, args.concurrency, args.report,
+                                    args.dialect, args.precision, args.draft, args.served_model_name, args.timeout,
+                                    context=args.context)[1]
+            except ServerError as e:
+                raise R.UserError(str(e)) from None
         if args.command == "list":
             list_cases(args.cases)
         elif args.command == "where":
