@@ -1487,6 +1487,16 @@ def check_memory(model_dir, cfg, sources):
     return need
 
 
+def check_tensors(model_dir, sources, expected):  # {name: stored}, {name: shape}: the same names, the same shapes
+    for name in sorted(set(expected) - set(sources)):
+        raise UserError(f"{model_dir}: tensor {name} is missing")
+    for name in sorted(set(sources) - set(expected)):
+        raise UserError(f"{model_dir}: unexpected tensor {name}")
+    for name, shape in expected.items():
+        if sources[name].shape != shape:
+            raise UserError(f"{model_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+
+
 def read_weights(model_dir, cfg):
     """The text model's tensors under canonical names, fp32. Strict: a missing, unexpected or misshaped tensor is an
     error naming it, found from the headers before any tensor data is read. `mtp.*` is kept if present."""
@@ -1496,13 +1506,7 @@ def read_weights(model_dir, cfg):
     expected = checkpoint_shapes(cfg, with_mtp=any(name.startswith("mtp.") for name in sources))
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]
-    for name in sorted(set(expected) - set(sources)):
-        raise UserError(f"{model_dir}: tensor {name} is missing")
-    for name in sorted(set(sources) - set(expected)):
-        raise UserError(f"{model_dir}: unexpected tensor {name}")
-    for name, shape in expected.items():
-        if sources[name].shape != shape:
-            raise UserError(f"{model_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+    check_tensors(model_dir, sources, expected)
     need = check_memory(model_dir, cfg, sources)
     try:
         tensors = {name: read_source(source) for name, source in sources.items()}
@@ -1636,13 +1640,7 @@ def load_dflash(draft_dir, cfg):  # -> DFlashConfig, nested params {"fc", "hidde
         raise UserError(f"DFlash directory {draft_dir} does not exist")
     dcfg = dflash_config_from_dict(read_json(draft_dir / "config.json"), cfg)
     sources, expected = read_checkpoint_headers(draft_dir), dflash_shapes(cfg, dcfg)
-    for name in sorted(set(expected) - set(sources)):
-        raise UserError(f"{draft_dir}: tensor {name} is missing")
-    for name in sorted(set(sources) - set(expected)):
-        raise UserError(f"{draft_dir}: unexpected tensor {name}")
-    for name, shape in expected.items():
-        if sources[name].shape != shape:
-            raise UserError(f"{draft_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+    check_tensors(draft_dir, sources, expected)
     try:
         return dcfg, nested_params({name: read_tensor(source) for name, source in sources.items()})
     except MemoryError:
