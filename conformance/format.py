@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-SUITE_VERSION = 4          # bump on any change to the format or to what a case means (INTERPRETING.md)
+SUITE_VERSION = 5          # bump on any change to the format or to what a case means (INTERPRETING.md)
 REGENERATE = "python -m conformance generate"
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent         # checkpoint paths in manifests are relative to this: the repository root in a clone,

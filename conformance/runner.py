@@ -19,7 +19,9 @@ from .engines import get_engine
 from .format import (CASES_DIR, EXPECTED, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs, features_named, read_manifest,
                      read_tensors, trace_batches)
 
-OUT_DIR = HERE / "_out"           # actual outputs of failing cases, for inspection
+# Actual outputs of failing cases, for inspection: relative, so under the directory the run starts in (never inside
+# the installed kit).
+OUT_DIR = Path("qwen35-conformance-out")
 SHOWN_MISMATCHES = 5
 
 
@@ -387,6 +389,19 @@ def select_cases(cases_dir, pattern, statistical=False):
             for run in runs_of(read_manifest(folder)) if (run["kind"] in STATISTICAL) == statistical]
 
 
+def counted(runs):
+    """What a selection of runs (select_cases) covers: "121 cases (149 runs: 28 traces run once per rollback strategy,
+    per-position and replay)", or "7 cases" where every case runs once."""
+    cases = len({folder for folder, _ in runs})
+    text = f"{cases} case{'s' * (cases != 1)}"
+    if len(runs) == cases:
+        return text
+    folders = [folder for folder, _ in runs]
+    twice = len({folder for folder in folders if folders.count(folder) > 1})
+    return (f"{text} ({len(runs)} runs: {twice} trace{'s' * (twice != 1)} run once per rollback strategy, "
+            f"{' and '.join(R.ROLLBACK_STRATEGIES)})")
+
+
 def seeded(meta, seed):
     """A statistical case with the seed its engine draws with: one stream per case and run seed."""
     return {**meta, "seed": zlib.crc32(f"{meta['name']}#{seed}".encode())}
@@ -409,22 +424,33 @@ def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectation
         engine.close()
 
 
-def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir, fail_fast=False,
-               statistical=False, seed=0):
+def engine_expectations(engine, expectations):
+    """`expectations` (a dict, a JSON file, or None: the engine's own, own_expectations) -> (its file or None, the
+    unsupported features, the known failures)."""
     if expectations is None:
         expectations = own_expectations(engine)
     source = expectations if isinstance(expectations, (str, Path)) else None
     data = read_expectations(source) if source else {} if expectations is None else expectations
-    unsupported, known_failures = checked_expectations(data, source or "the expectations given")
-    cases = [(folder, seeded(meta, seed) if statistical else meta)
-             for folder, meta in select_cases(cases_dir, pattern, statistical)]
+    return (source, *checked_expectations(data, source or "the expectations given"))
+
+
+def model_loader(engine):
+    """A case's checkpoint -> the engine's model of it, each checkpoint loaded once."""
     models = {}
 
     def load_model(checkpoint):
         if checkpoint["name"] not in models:
             models[checkpoint["name"]] = engine.load(ROOT / checkpoint["path"])
         return models[checkpoint["name"]]
+    return load_model
 
+
+def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir, fail_fast=False,
+               statistical=False, seed=0):
+    source, unsupported, known_failures = engine_expectations(engine, expectations)
+    cases = [(folder, seeded(meta, seed) if statistical else meta)
+             for folder, meta in select_cases(cases_dir, pattern, statistical)]
+    load_model = model_loader(engine)
     results = []
     for i, (folder, meta) in enumerate(cases, 1):
         results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir))
@@ -434,10 +460,10 @@ def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, ou
     print_table(results, out)
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "ERROR", "SKIP")}
     unexpected = [r.name for r in results if r.unexpected]
-    print(f"\n{engine_name}: {len(results)} cases: " + ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
+    print(f"\n{engine_name}: {counted(cases[:len(results)])}: " + ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
           + (f"; {len(unexpected)} unexpected (marked !)" if unexpected else "; all as expected"), file=out)
     if counts["FAIL"]:
-        print(f"outputs of the failing cases: {actual_dir(out_dir, engine.name)}", file=out)
+        print(f"outputs of the failing cases: {actual_dir(out_dir, engine.name).resolve()}", file=out)
     if report:
         Path(report).write_text(json.dumps({
             "suite_version": SUITE_VERSION, "engine": engine_name, "precision": engine.precision,
