@@ -48,6 +48,8 @@ def parse_args(argv):
                           f"(default: ./{OUT_DIR}, under the current directory)")
         mode.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                           help="an exec: engine's limit for answering one request (default 600)")
+    run.add_argument("--no-diagnosis", action="store_true", help="do not recompute a failing case under the "
+                     "catalogued mistakes to name the one the engine's outputs match (INTERPRETING.md section 9)")
     sample.add_argument("--seed", type=int, default=0, help="seeds the engine's draws, one stream per case "
                         "(default 0); each case fails a correct engine with the false-alarm rate its manifest states")
     serve = sub.add_parser("serve", help="serve a Python adapter over the engine protocol on stdin/stdout")
@@ -161,7 +163,7 @@ def main(argv=None):
         else:
             return run(args.engine, args.cases, args.report, args.dir, args.expectations,
                        out_dir=args.out_dir or OUT_DIR, timeout=args.timeout, statistical=args.command == "sample",
-                       seed=getattr(args, "seed", 0))[1]
+                       seed=getattr(args, "seed", 0), diagnose=not getattr(args, "no_diagnosis", False))[1]
     except (R.UserError, GoldenError, EngineError, ExpectationsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
