@@ -29,6 +29,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+# The command line (python reference.py, qwen35-reference) decodes with one OpenBLAS thread unless told otherwise:
+# batch-1 matrix-vector products are too small to share out, and on a busy 2-core machine one thread decoded 70-148
+# tok/s against 28-62 with two (python -m bench.blas_threads). Set before NumPy loads OpenBLAS; a program importing
+# this module keeps its own setting.
+if __name__ == "__main__" or Path(sys.argv[0]).name == "qwen35-reference":
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -1676,7 +1683,7 @@ def missing_extra(error, extra, needed_by):
     if package in ("", "reference", "conformance", "jax_impl", "qwen35"):
         raise error
     return UserError(f"{needed_by} needs {package}, which is not installed: install the kit with its `{extra}` "
-                     f"extra (pip install \".[{extra}]\" in the repository)")
+                     f"extra (pip install \"KIT[{extra}]\", KIT the wheel or the repository folder it came from)")
 
 
 SEED_RANGE = (0, 2**32 - 1)          # numpy's Generator takes any non-negative int; jax.random.key without x64, 32 bits

@@ -30,7 +30,7 @@ class Parts(NamedTuple):
     draw: Callable = R.sample
 
 
-SPEC = Parts()
+SPEC = Parts()    # the wrong parts below call the spec's through it (diagnosis.py patches reference.py's)
 
 
 class Round(NamedTuple):
@@ -79,20 +79,20 @@ def temperature_last(logits, sampling):
     """Top-k and top-p on softmax(logits), the temperature applied afterwards over the tokens kept (llama.cpp's and
     mlx-lm's sampler order)."""
     if sampling.temperature == 0:
-        return R.probabilities(logits, sampling)
-    kept = R.probabilities(logits, sampling._replace(temperature=1.0)) > 0
+        return SPEC.probabilities(logits, sampling)
+    kept = SPEC.probabilities(logits, sampling._replace(temperature=1.0)) > 0
     return R.softmax(np.where(kept, logits / np.float32(sampling.temperature), -np.inf))
 
 
 def temperature_ignored(logits, sampling):
-    return R.probabilities(logits, sampling._replace(temperature=1.0 if sampling.temperature else 0.0))
+    return SPEC.probabilities(logits, sampling._replace(temperature=1.0 if sampling.temperature else 0.0))
 
 
 def in_probability_order(p, u):
     """Inverse CDF over the tokens in order of decreasing probability (a sampler that draws from its sorted top-p
     list), lower ids first among equals."""
     order = np.argsort(-p, kind="stable")
-    return int(order[R.sample(p[order], u)])
+    return int(order[SPEC.draw(p[order], u)])
 
 
 def residual_unnormalised(p, q, x):
