@@ -943,9 +943,10 @@ def on_vocabulary(token, p, shortlist, V):  # a draw among S shortlist ids, p (S
 # ----------------------------------------------------------------------------------------------------------------
 # DFlash block drafter (z-lab/dflash; docs/dflash.md): a few decoder layers of its own, no embedding or head of its
 # own (the target's are used), conditioned on the target's features: the outputs of the target layers
-# target_layer_ids, concatenated, projected by fc and normed. Every drafter layer attends, without a causal mask,
-# from the block [last committed token, MASK x K] to the context features' keys and values (its own k_proj and
-# v_proj applied to the features, cached) followed by the block's. One drafter pass proposes all K drafts: the
+# target_layer_ids, concatenated, projected by fc and normed. Every drafter layer attends from the block [last
+# committed token, MASK x K] to the context features' keys and values (its own k_proj and v_proj applied to the
+# features, cached) followed by the block's; a full-attention layer without a mask, a sliding one (the published
+# Qwen3.5 drafters have them) causally within its window, as z-lab reads its config (dflash_visible). One drafter pass proposes all K drafts: the
 # logits of the K mask slots through the target's lm_head. After each round the cache keeps the context only, up
 # to the last committed token (the block's keys and values are dropped: the crop); the features of the positions
 # the round verified and kept are appended at the next propose. The drafter is a Qwen3 model: plain RMSNorm
@@ -963,6 +964,23 @@ class DFlashConfig:
     target_layer_ids: tuple      # the target layers whose outputs are the features, in this order
     mask_token_id: int           # fills the block's slots after the first
     block_size: int              # the block length it was trained for: 1 + the drafts per round it expects
+    layer_types: tuple = ()      # per drafter layer "full_attention" (default) or "sliding_attention"
+    sliding_window: int = None   # a sliding layer's keys: positions within this distance of the query's
+    is_causal: bool = None       # None: as z-lab reads it, sliding layers causal, full ones not
+
+
+def dflash_visible(dcfg, i, queries, keys):  # layer i, positions (B,), (S + B,) -> (B, S + B) the keys each sees
+    """No mask in a full-attention layer (the DFlash block is bidirectional). z-lab's mask for the others: causal
+    where the layer is (sliding layers, unless is_causal says otherwise), within the window where it has one."""
+    sliding = i < len(dcfg.layer_types) and dcfg.layer_types[i] == "sliding_attention"
+    causal = sliding if dcfg.is_causal is None else dcfg.is_causal
+    query, key = queries[:, None], keys[None, :]
+    visible = np.ones((len(queries), len(keys)), bool)
+    if causal:
+        visible &= key <= query
+    if sliding:
+        visible &= (query - key < dcfg.sliding_window) & (causal | (key - query < dcfg.sliding_window))
+    return visible
 
 
 class DFlashState(NamedTuple):
@@ -997,16 +1015,17 @@ def dflash_extend(dparams, dcfg, draft_state, tapped):  # DFlashState, (n, len(t
     return DFlashState(tuple(layers), draft_state.length + len(features))
 
 
-def dflash_attention(h, positions, cache, dcfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):
+def dflash_attention(h, positions, cache, visible, dcfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):
     """(B, D) block -> its update (B, D) and the layer's cache with the block's keys and values appended: the
-    block's queries over [cached context; block] keys, no mask (every slot sees all of both)."""
+    block's queries over [cached context; block] keys, `visible` (B, S + B) (dflash_visible)."""
     B, Hq, Hkv, Dh = len(h), dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
     q = rope(plain_rms_norm((h @ q_proj.T).reshape(B, Hq, Dh), q_norm, dcfg.rms_norm_eps), positions,
              dcfg.rope_theta, Dh)
     k, v = dflash_keys_values(h, positions, dcfg, k_proj, v_proj, k_norm)
     keys, values = np.concatenate([cache.k, k]), np.concatenate([cache.v, v])          # (S + B, Hkv, Dh)
     q = q.reshape(B, Hkv, Hq // Hkv, Dh)
-    weights = softmax(np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5))   # (Hkv, G, B, S + B)
+    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)              # (Hkv, G, B, S + B)
+    weights = softmax(np.where(visible, scores, -np.inf))
     out = np.einsum("kgts,skd->tkgd", weights, values).reshape(B, Hq * Dh) @ o_proj.T
     return out, AttnState(keys, values)
 
@@ -1020,9 +1039,10 @@ def dflash_block(params, dparams, dcfg, draft_state, block):  # (B,) tokens -> l
     and the cache with the block's keys and values appended (what dflash_crop takes back out)."""
     positions = draft_state.length + np.arange(len(block))
     x, layers = params["embed_tokens"][np.asarray(block)], []                           # (B, D)
-    for layer, cache in zip(dparams["layers"], draft_state.layers):
+    for i, (layer, cache) in enumerate(zip(dparams["layers"], draft_state.layers)):
+        visible = dflash_visible(dcfg, i, positions, np.concatenate([np.arange(len(cache.k)), positions]))
         update, cache = dflash_attention(plain_rms_norm(x, layer["input_layernorm"], dcfg.rms_norm_eps), positions,
-                                         cache, dcfg, **layer["self_attn"])
+                                         cache, visible, dcfg, **layer["self_attn"])
         x = x + update
         x = x + mlp(plain_rms_norm(x, layer["post_attention_layernorm"], dcfg.rms_norm_eps), **layer["mlp"])
         layers.append(cache)
@@ -1563,7 +1583,7 @@ def load_model(model_dir):
 # holding fc, hidden_norm, norm and layers.N.* without a `model.` prefix, and no embedding or lm_head.
 
 DFLASH_UNSUPPORTED = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
-                      "partial_rotary_factor": 1.0, "attention_bias": False, "is_causal": False}
+                      "partial_rotary_factor": 1.0, "attention_bias": False}
 
 
 def dflash_config_from_dict(raw, cfg):  # the drafter's config.json, the target's Config -> DFlashConfig
@@ -1595,8 +1615,15 @@ def dflash_config_from_dict(raw, cfg):  # the drafter's config.json, the target'
         raise UserError(f"DFlash config: RoPE scaling is not supported (only rope_type 'default')")
     if get("hidden_act", "silu", str) != "silu":
         raise UserError(f"DFlash config: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
-    if any(kind != "full_attention" for kind in get("layer_types", [], list)):
-        raise UserError("DFlash config: sliding-window layers are not supported (only full_attention)")
+    layer_types = get("layer_types", [], list)
+    if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+        raise UserError(f"DFlash config: layer_types={layer_types!r:.100} must be full_attention or sliding_attention")
+    window = get("sliding_window") if "sliding_attention" in layer_types else None
+    if window is not None and window < 1:
+        raise UserError(f"DFlash config: sliding_window={window} must be >= 1")
+    is_causal = raw.get("is_causal")
+    if not isinstance(is_causal, (bool, type(None))):
+        raise UserError(f"DFlash config: is_causal={is_causal!r} must be true, false or null")
     for key, target_value in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size),
                               ("num_target_layers", cfg.num_hidden_layers)):
         if get(key, target_value) != target_value:
@@ -1625,7 +1652,11 @@ def dflash_config_from_dict(raw, cfg):  # the drafter's config.json, the target'
         raise UserError(f"DFlash config: mask_token_id={mask} is outside the vocabulary [0, {cfg.vocab_size})")
     if not 2 <= block <= MAX_DRAFT_LEN + 1:
         raise UserError(f"DFlash config: block_size={block} must be in [2, {MAX_DRAFT_LEN + 1}]")
-    return DFlashConfig(**fields, target_layer_ids=tuple(taps), mask_token_id=mask, block_size=block)
+    if layer_types and len(layer_types) != fields["num_hidden_layers"]:
+        raise UserError(f"DFlash config: {len(layer_types)} layer_types for num_hidden_layers="
+                        f"{fields['num_hidden_layers']}")
+    return DFlashConfig(**fields, target_layer_ids=tuple(taps), mask_token_id=mask, block_size=block,
+                        layer_types=tuple(layer_types), sliding_window=window, is_causal=is_causal)
 
 
 def dflash_shapes(cfg, dcfg):  # -> {tensor name: shape} of a DFlash checkpoint for this target
