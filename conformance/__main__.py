@@ -1,11 +1,11 @@
-"""Command line: list, run, sample, serve, check-server, where, generate (see conformance/__init__.py)."""
+"""Command line: list, run, sample, serve, check-server, where, generate, checkpoint (see conformance/__init__.py)."""
 
 import argparse
 import re
 import sys
 from pathlib import Path
 
-from . import KIT, reference as R
+from . import KIT, published, reference as R
 from .runner import OUT_DIR
 from .engines import EngineError, known_engines
 from .format import CASES_DIR, HERE, ROOT, SUITE_VERSION, GoldenError, case_dirs, read_manifest
@@ -80,6 +80,9 @@ def parse_args(argv):
     gen.add_argument("--out", type=Path, default=CASES_DIR, help="folder to write (default: conformance/cases)")
     gen.add_argument("--check", action="store_true", help="write nothing: regenerate into a temporary folder and "
                      "report what differs from --out beyond float32 rounding (exit 1 if anything does)")
+    ckpt = sub.add_parser("checkpoint", help="write a random checkpoint with a published model's exact layer "
+                          "geometry at reduced depth (conformance/published.py)")
+    published.add_arguments(ckpt)
     args = ap.parse_args(argv)
     if getattr(args, "timeout", None) is not None and not args.timeout > 0:
         ap.error(f"--timeout {args.timeout}: must be > 0")
@@ -140,6 +143,8 @@ def main(argv=None):
         args = parse_args(argv)
         if args.command == "generate":
             return generate(args)
+        if args.command == "checkpoint":
+            return published.checkpoint_command(args)
         if args.command == "check-server":
             from .check_server import ServerError, check_server
             try:
