@@ -946,11 +946,11 @@ def on_vocabulary(token, p, shortlist, V):  # a draw among S shortlist ids, p (S
 # target_layer_ids, concatenated, projected by fc and normed. Every drafter layer attends from the block [last
 # committed token, MASK x K] to the context features' keys and values (its own k_proj and v_proj applied to the
 # features, cached) followed by the block's; a full-attention layer without a mask, a sliding one (the published
-# Qwen3.5 drafters have them) causally within its window, as z-lab reads its config (dflash_visible). One drafter pass proposes all K drafts: the
-# logits of the K mask slots through the target's lm_head. After each round the cache keeps the context only, up
-# to the last committed token (the block's keys and values are dropped: the crop); the features of the positions
-# the round verified and kept are appended at the next propose. The drafter is a Qwen3 model: plain RMSNorm
-# weights (no +1), q/k norms, full RoPE, no output gate.
+# Qwen3.5 drafters have them) causally within its window, as z-lab reads its config (dflash_visible). One drafter
+# pass proposes all K drafts: the logits of the K mask slots through the target's lm_head. After each round the
+# cache keeps the context only, up to the last committed token (the block's keys and values are dropped: the
+# crop); the features of the positions the round verified and kept are appended at the next propose. The drafter
+# is a Qwen3 model: plain RMSNorm weights (no +1), q/k norms, full RoPE, no output gate.
 
 @dataclass(frozen=True)
 class DFlashConfig:
