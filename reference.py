@@ -29,6 +29,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+# The command line (python reference.py, qwen35-reference) decodes with one OpenBLAS thread unless told otherwise:
+# batch-1 matrix-vector products are too small to share out, and on a busy 2-core machine one thread decoded 70-148
+# tok/s against 28-62 with two (python -m bench.blas_threads). Set before NumPy loads OpenBLAS; a program importing
+# this module keeps its own setting.
+if __name__ == "__main__" or Path(sys.argv[0]).name == "qwen35-reference":
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -330,19 +337,24 @@ def decoder_layer(x, kind, layer, state, positions, cfg, parents=None):  # (T, D
     return x + feed_forward(x, layer, cfg), state, tape
 
 
-def forward(params, cfg, tokens, state, parents=None):
-    """(T,) token ids after `state` -> logits (T, V), final-normed hidden (T, D), new State, per-layer Tapes.
+def forward(params, cfg, tokens, state, taps=None, parents=None):
+    """(T,) token ids after `state` -> logits (T, V), hidden, new State, per-layer Tapes. hidden: the final-normed
+    hidden state (T, D) (what the MTP head reads); with taps (layer indices), the outputs of those layers (the
+    residual stream after each) concatenated in the order given, (T, len(taps) D) (what a DFlash drafter reads).
     With `parents` the tokens are a draft tree's nodes (tree_forward below) and the State's DeltaNet layers are None."""
     tokens = np.asarray(tokens, dtype=np.int64)
     positions = state.length + (np.arange(len(tokens)) if parents is None else tree_depths(parents))
     x = params["embed_tokens"][tokens]                                          # (T, D)
-    layer_states, tapes = [], []
-    for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
+    layer_states, tapes, tapped = [], [], {}
+    for i, (kind, layer, layer_state) in enumerate(zip(cfg.layer_types, params["layers"], state.layers)):
         x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, cfg, parents)
         layer_states.append(layer_state)
         tapes.append(tape)
+        if taps and i in taps:
+            tapped[i] = x
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)                     # (T, D)
-    return hidden @ params["lm_head"].T, hidden, State(tuple(layer_states), state.length + len(tokens)), tapes
+    features = hidden if taps is None else np.concatenate([tapped[i] for i in taps], axis=-1)
+    return hidden @ params["lm_head"].T, features, State(tuple(layer_states), state.length + len(tokens)), tapes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -467,9 +479,10 @@ class Verified(NamedTuple):
     rollback: str
 
 
-def verify(params, cfg, state, tokens, rollback):  # (K+1,) -> logits (K+1, V), hidden (K+1, D), Verified
-    """One target pass over [last committed token, K drafts], keeping what `rollback` needs to commit any prefix."""
-    logits, hidden, after, tapes = forward(params, cfg, tokens, state)
+def verify(params, cfg, state, tokens, rollback, taps=None):  # (K+1,) -> logits (K+1, V), hidden, Verified
+    """One target pass over [last committed token, K drafts], keeping what `rollback` needs to commit any prefix.
+    hidden: forward's, (K+1, D) or with taps the tapped layers' outputs (K+1, len(taps) D)."""
+    logits, hidden, after, tapes = forward(params, cfg, tokens, state, taps)
     kept = keep_per_position(state, tapes) if rollback == "per-position" else tapes
     return logits, hidden, Verified(state, after, kept, rollback)
 
@@ -551,11 +564,11 @@ class Target(NamedTuple):
     copy: Callable       # state -> a copy that later calls cannot change (a prefix-cache entry)
 
 
-def reference_target(params, cfg, rollback):
+def reference_target(params, cfg, rollback, taps=None):
     def extend(state, tokens):
         logits, _, state, _ = forward(params, cfg, tokens, empty_state(cfg) if state is None else state)
         return logits, state
-    return Target(extend, lambda state, tokens: verify(params, cfg, state, tokens, rollback), commit, accept,
+    return Target(extend, lambda state, tokens: verify(params, cfg, state, tokens, rollback, taps), commit, accept,
                   lambda state: state)   # states are values here: nothing ever changes one
 
 
@@ -711,7 +724,7 @@ def tree_delta_states(S0, tape, parents):  # (Hv, Dk, Dv), Tape of N nodes -> (N
 def tree_forward(params, cfg, tokens, parents, state):
     """One pass over a draft tree after `state` -> logits (N, V), hidden (N, D), the State (attention: the prefix and
     every node's KV in node order; DeltaNet: None) and per-layer Tapes (one row per node)."""
-    return forward(params, cfg, tokens, state, check_tree(parents))
+    return forward(params, cfg, tokens, state, parents=check_tree(parents))
 
 
 class VerifiedTree(NamedTuple):
@@ -812,7 +825,8 @@ def accept_tree(tokens, parents, q, logits, sampling, u):  # -> (accepted path, 
 # Drafters. A drafter is a pure function over its own explicit state:
 #   propose(draft_state, context, new_hidden, k, sampling, rng) -> (tokens (k',), q (k', V), draft_state), k' <= k
 # `context` holds every committed token; the target has consumed all but the last. `new_hidden` (n, D) holds the
-# target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them).
+# target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them);
+# for a drafter with taps, the outputs of those target layers instead, (n, len(taps) D) (a DFlash drafter).
 # A self-speculative drafter (the target's own weights, cheapened) also has observe(draft_state, target_state) ->
 # draft_state, called before each propose with a copy of the target's committed state: it drafts from there.
 
@@ -821,6 +835,7 @@ class Drafter(NamedTuple):
     initial_state: object
     propose: Callable
     observe: Callable = None
+    taps: tuple = None   # target layers whose outputs new_hidden holds (None: the final-normed hidden state)
 
 
 def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
@@ -1137,6 +1152,145 @@ def on_vocabulary(token, p, shortlist, V):  # a draw among S shortlist ids, p (S
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# DFlash block drafter (z-lab/dflash; docs/dflash.md): a few decoder layers of its own, no embedding or head of its
+# own (the target's are used), conditioned on the target's features: the outputs of the target layers
+# target_layer_ids, concatenated, projected by fc and normed. Every drafter layer attends from the block [last
+# committed token, MASK x K] to the context features' keys and values (its own k_proj and v_proj applied to the
+# features, cached) followed by the block's; a full-attention layer without a mask, a sliding one (the published
+# Qwen3.5 drafters have them) causally within its window, as z-lab reads its config (dflash_visible). One drafter
+# pass proposes all K drafts: the logits of the K mask slots through the target's lm_head. After each round the
+# cache keeps the context only, up to the last committed token (the block's keys and values are dropped: the
+# crop); the features of the positions the round verified and kept are appended at the next propose. The drafter
+# is a Qwen3 model: plain RMSNorm weights (no +1), q/k norms, full RoPE, no output gate.
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    num_hidden_layers: int       # the drafter's own decoder layers
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_layer_ids: tuple      # the target layers whose outputs are the features, in this order
+    mask_token_id: int           # fills the block's slots after the first
+    block_size: int              # the block length it was trained for: 1 + the drafts per round it expects
+    layer_types: tuple = ()      # per drafter layer "full_attention" (default) or "sliding_attention"
+    sliding_window: int = None   # a sliding layer's keys: positions within this distance of the query's
+    is_causal: bool = None       # None: as z-lab reads it, sliding layers causal, full ones not
+
+
+def dflash_visible(dcfg, i, queries, keys):  # layer i, positions (B,), (S + B,) -> (B, S + B) the keys each sees
+    """No mask in a full-attention layer (the DFlash block is bidirectional). z-lab's mask for the others: causal
+    where the layer is (sliding layers, unless is_causal says otherwise), within the window where it has one."""
+    sliding = i < len(dcfg.layer_types) and dcfg.layer_types[i] == "sliding_attention"
+    causal = sliding if dcfg.is_causal is None else dcfg.is_causal
+    query, key = queries[:, None], keys[None, :]
+    visible = np.ones((len(queries), len(keys)), bool)
+    if causal:
+        visible &= key <= query
+    if sliding:
+        visible &= (query - key < dcfg.sliding_window) & (causal | (key - query < dcfg.sliding_window))
+    return visible
+
+
+class DFlashState(NamedTuple):
+    layers: tuple        # one AttnState per drafter layer: the context features' keys (k_norm, RoPE) and values
+    length: int          # context positions cached = the position of the next features to append
+
+
+def plain_rms_norm(x, weight, eps):  # (..., N) -> (..., N): Qwen3's RMSNorm, scale w (not 1 + w)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def dflash_features(dparams, dcfg, tapped):  # (n, len(taps) D) target layer outputs -> (n, D)
+    return plain_rms_norm(tapped @ dparams["fc"].T, dparams["hidden_norm"], dcfg.rms_norm_eps)
+
+
+def dflash_keys_values(x, positions, dcfg, k_proj, v_proj, k_norm):  # (T, D) -> keys, values (T, Hkv, Dh)
+    T, Hkv, Dh = len(x), dcfg.num_key_value_heads, dcfg.head_dim
+    k = plain_rms_norm((x @ k_proj.T).reshape(T, Hkv, Dh), k_norm, dcfg.rms_norm_eps)
+    return rope(k, positions, dcfg.rope_theta, Dh), (x @ v_proj.T).reshape(T, Hkv, Dh)
+
+
+def dflash_extend(dparams, dcfg, draft_state, tapped):  # DFlashState, (n, len(taps) D) -> DFlashState
+    """Append the features of the next n context positions to every layer's cache (the same projected features
+    feed every layer; each layer keys and values them with its own k_proj and v_proj)."""
+    features = dflash_features(dparams, dcfg, tapped)
+    positions = draft_state.length + np.arange(len(features))
+    layers = []
+    for layer, cache in zip(dparams["layers"], draft_state.layers):
+        a = layer["self_attn"]
+        k, v = dflash_keys_values(features, positions, dcfg, a["k_proj"], a["v_proj"], a["k_norm"])
+        layers.append(AttnState(np.concatenate([cache.k, k]), np.concatenate([cache.v, v])))
+    return DFlashState(tuple(layers), draft_state.length + len(features))
+
+
+def dflash_attention(h, positions, cache, visible, dcfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):
+    """(B, D) block -> its update (B, D) and the layer's cache with the block's keys and values appended: the
+    block's queries over [cached context; block] keys, `visible` (B, S + B) (dflash_visible)."""
+    B, Hq, Hkv, Dh = len(h), dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+    q = rope(plain_rms_norm((h @ q_proj.T).reshape(B, Hq, Dh), q_norm, dcfg.rms_norm_eps), positions,
+             dcfg.rope_theta, Dh)
+    k, v = dflash_keys_values(h, positions, dcfg, k_proj, v_proj, k_norm)
+    keys, values = np.concatenate([cache.k, k]), np.concatenate([cache.v, v])          # (S + B, Hkv, Dh)
+    q = q.reshape(B, Hkv, Hq // Hkv, Dh)
+    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)              # (Hkv, G, B, S + B)
+    weights = softmax(np.where(visible, scores, -np.inf))
+    out = np.einsum("kgts,skd->tkgd", weights, values).reshape(B, Hq * Dh) @ o_proj.T
+    return out, AttnState(keys, values)
+
+
+def dflash_block_tokens(context, k, mask_token_id):  # -> [last committed token, MASK x k]
+    return [context[-1]] + [mask_token_id] * k
+
+
+def dflash_block(params, dparams, dcfg, draft_state, block):  # (B,) tokens -> logits (B - 1, V), DFlashState
+    """One drafter pass over the block at positions [draft_state.length, + B) -> the logits of its last B - 1 slots,
+    and the cache with the block's keys and values appended (what dflash_crop takes back out)."""
+    positions = draft_state.length + np.arange(len(block))
+    x, layers = params["embed_tokens"][np.asarray(block)], []                           # (B, D)
+    for i, (layer, cache) in enumerate(zip(dparams["layers"], draft_state.layers)):
+        visible = dflash_visible(dcfg, i, positions, np.concatenate([np.arange(len(cache.k)), positions]))
+        update, cache = dflash_attention(plain_rms_norm(x, layer["input_layernorm"], dcfg.rms_norm_eps), positions,
+                                         cache, visible, dcfg, **layer["self_attn"])
+        x = x + update
+        x = x + mlp(plain_rms_norm(x, layer["post_attention_layernorm"], dcfg.rms_norm_eps), **layer["mlp"])
+        layers.append(cache)
+    logits = plain_rms_norm(x[1:], dparams["norm"], dcfg.rms_norm_eps) @ params["lm_head"].T
+    return logits, DFlashState(tuple(layers), draft_state.length + len(block))
+
+
+def dflash_crop(draft_state, length):  # DFlashState -> the cache of its first `length` positions (the context)
+    return DFlashState(tuple(truncate(cache, length) for cache in draft_state.layers), length)
+
+
+def dflash_drafter(name, params, cfg, dparams, dcfg, sampled=False):
+    """Each round: append the newly verified positions' features (new_hidden, the target's tapped layer outputs),
+    run the block [last committed token, MASK x k], propose. argmax with a one-hot q (sampled=False, as vLLM does),
+    or each slot drawn independently from the drafter's distribution under the round's sampling, q that
+    distribution (sampled=True: exact too, but the slots are not conditioned on each other's draws)."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        draft_state = dflash_extend(dparams, dcfg, draft_state, new_hidden)
+        if draft_state.length != len(context) - 1:   # features for every committed position but the last
+            raise ValueError(f"DFlash: features for {draft_state.length} positions, the context has {len(context)}")
+        if not k:
+            return *no_drafts(cfg), draft_state
+        logits, with_block = dflash_block(params, dparams, dcfg, draft_state,
+                                          dflash_block_tokens(context, k, dcfg.mask_token_id))
+        draft_state = dflash_crop(with_block, draft_state.length)    # the block's keys and values never stay
+        if sampled:
+            drawn = [draw(row, sampling, rng) for row in logits]
+            return [token for token, _ in drawn], np.stack([p for _, p in drawn]), draft_state
+        tokens = [int(t) for t in logits.argmax(axis=-1)]
+        return tokens, one_hot(tokens, cfg.vocab_size), draft_state
+    Hkv, Dh = dcfg.num_key_value_heads, dcfg.head_dim
+    empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
+    return Drafter(name, DFlashState((empty,) * dcfg.num_hidden_layers, 0), propose,
+                   taps=tuple(dcfg.target_layer_ids))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Generation
 
 def check_prompt(cfg, prompt):
@@ -1180,9 +1334,11 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
     sampling. Each round: the drafter proposes, then speculative_round verifies, accepts and rolls back."""
     limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
     stats = SpeculationStats(len(prompt), draft_len, rollback)
-    target, propose = stats.observe(reference_target(params, cfg, rollback)), stats.timed("draft", checked(drafter, cfg))
+    target = stats.observe(reference_target(params, cfg, rollback, drafter.taps))
+    propose = stats.timed("draft", checked(drafter, cfg))
     if limit > 0:
-        logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg))
+        logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg),
+                                                                         drafter.taps)
         tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
         on_tokens(tokens[-1:])
     draft_state = drafter.initial_state
@@ -1569,6 +1725,16 @@ def check_memory(model_dir, cfg, sources):
     return need
 
 
+def check_tensors(model_dir, sources, expected):  # {name: stored}, {name: shape}: the same names, the same shapes
+    for name in sorted(set(expected) - set(sources)):
+        raise UserError(f"{model_dir}: tensor {name} is missing")
+    for name in sorted(set(sources) - set(expected)):
+        raise UserError(f"{model_dir}: unexpected tensor {name}")
+    for name, shape in expected.items():
+        if sources[name].shape != shape:
+            raise UserError(f"{model_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+
+
 def read_weights(model_dir, cfg):
     """The text model's tensors under canonical names, fp32. Strict: a missing, unexpected or misshaped tensor is an
     error naming it, found from the headers before any tensor data is read. `mtp.*` is kept if present."""
@@ -1578,13 +1744,7 @@ def read_weights(model_dir, cfg):
     expected = checkpoint_shapes(cfg, with_mtp=any(name.startswith("mtp.") for name in sources))
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]
-    for name in sorted(set(expected) - set(sources)):
-        raise UserError(f"{model_dir}: tensor {name} is missing")
-    for name in sorted(set(sources) - set(expected)):
-        raise UserError(f"{model_dir}: unexpected tensor {name}")
-    for name, shape in expected.items():
-        if sources[name].shape != shape:
-            raise UserError(f"{model_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+    check_tensors(model_dir, sources, expected)
     need = check_memory(model_dir, cfg, sources)
     try:
         tensors = {name: read_source(source) for name, source in sources.items()}
@@ -1629,6 +1789,115 @@ def load_model(model_dir):
     return cfg, load_weights(model_dir, cfg)
 
 
+# A DFlash drafter's checkpoint, as the public ones store it (z-lab's DFlashDraftModel): a Qwen3 config.json with
+# dflash_config {target_layer_ids, mask_token_id, block_size} (each also read at the top level), and model.safetensors
+# holding fc, hidden_norm, norm and layers.N.* without a `model.` prefix, and no embedding or lm_head.
+
+DFLASH_UNSUPPORTED = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
+                      "partial_rotary_factor": 1.0, "attention_bias": False}
+
+
+def dflash_config_from_dict(raw, cfg):  # the drafter's config.json, the target's Config -> DFlashConfig
+    if not isinstance(raw, dict):
+        raise UserError(f"DFlash config: expected a JSON object, got {type(raw).__name__}")
+    extra = raw.get("dflash_config", {})
+    if not isinstance(extra, dict):
+        raise UserError(f"DFlash config: dflash_config={extra!r} is not an object")
+    rope = {**{k: raw[k] for k in ("rope_theta", "partial_rotary_factor") if k in raw},
+            **(raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {})}
+
+    def get(key, default=None, kind=int, source=None):
+        source = source if source is not None else extra if key in extra else raw
+        if key not in source and default is None:
+            raise UserError(f"DFlash config: required field {key!r} is missing")
+        value = source.get(key, default)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise UserError(f"DFlash config: {key}={value!r} has the wrong type, expected "
+                            f"{getattr(kind, '__name__', 'number')}")
+        return value
+
+    if "DFlash2DraftModel" in (raw.get("architectures") or []):
+        raise UserError("DFlash config: DFlash2DraftModel (dynamic convolutions, candidate selector) is not supported")
+    for key, default in DFLASH_UNSUPPORTED.items():
+        value = {**raw, **rope, **extra}.get(key, default)
+        if value is not None and value != default:
+            raise UserError(f"DFlash config: {key}={value!r} is not supported (only {default!r})")
+    if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
+        raise UserError(f"DFlash config: RoPE scaling is not supported (only rope_type 'default')")
+    if get("hidden_act", "silu", str) != "silu":
+        raise UserError(f"DFlash config: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
+    layer_types = get("layer_types", [], list)
+    if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+        raise UserError(f"DFlash config: layer_types={layer_types!r:.100} must be full_attention or sliding_attention")
+    window = get("sliding_window") if "sliding_attention" in layer_types else None
+    if window is not None and window < 1:
+        raise UserError(f"DFlash config: sliding_window={window} must be >= 1")
+    is_causal = raw.get("is_causal")
+    if not isinstance(is_causal, (bool, type(None))):
+        raise UserError(f"DFlash config: is_causal={is_causal!r} must be true, false or null")
+    for key, target_value in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size),
+                              ("num_target_layers", cfg.num_hidden_layers)):
+        if get(key, target_value) != target_value:
+            raise UserError(f"DFlash config: {key}={get(key)} differs from the target's {target_value}")
+    heads = get("num_attention_heads")
+    fields = dict(num_hidden_layers=get("num_hidden_layers"), num_attention_heads=heads,
+                  num_key_value_heads=get("num_key_value_heads"),
+                  head_dim=get("head_dim", cfg.hidden_size // heads if heads > 0 else 1),
+                  intermediate_size=get("intermediate_size"), rms_norm_eps=get("rms_norm_eps", 1e-6, (int, float)),
+                  rope_theta=get("rope_theta", 10000.0, (int, float), rope))
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "rms_norm_eps", "rope_theta"):
+        check_limit(key, fields[key])
+    if heads % fields["num_key_value_heads"]:
+        raise UserError(f"DFlash config: num_attention_heads={heads} is not a multiple of num_key_value_heads="
+                        f"{fields['num_key_value_heads']}")
+    if fields["head_dim"] % 2:
+        raise UserError(f"DFlash config: head_dim={fields['head_dim']} must be even (RoPE rotates pairs)")
+    taps = get("target_layer_ids", kind=list)
+    if not taps or not is_int_list(taps) or not all(0 <= i < cfg.num_hidden_layers for i in taps) or len(
+            set(taps)) != len(taps):
+        raise UserError(f"DFlash config: target_layer_ids={taps!r:.100} must be distinct layers of the target's "
+                        f"[0, {cfg.num_hidden_layers - 1}]")
+    mask, block = get("mask_token_id"), get("block_size", 16)
+    if not 0 <= mask < cfg.vocab_size:
+        raise UserError(f"DFlash config: mask_token_id={mask} is outside the vocabulary [0, {cfg.vocab_size})")
+    if not 2 <= block <= MAX_DRAFT_LEN + 1:
+        raise UserError(f"DFlash config: block_size={block} must be in [2, {MAX_DRAFT_LEN + 1}]")
+    if layer_types and len(layer_types) != fields["num_hidden_layers"]:
+        raise UserError(f"DFlash config: {len(layer_types)} layer_types for num_hidden_layers="
+                        f"{fields['num_hidden_layers']}")
+    return DFlashConfig(**fields, target_layer_ids=tuple(taps), mask_token_id=mask, block_size=block,
+                        layer_types=tuple(layer_types), sliding_window=window, is_causal=is_causal)
+
+
+def dflash_shapes(cfg, dcfg):  # -> {tensor name: shape} of a DFlash checkpoint for this target
+    D, Hq, Hkv, Dh, F = (cfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim,
+                         dcfg.intermediate_size)
+    shapes = {"fc.weight": (D, len(dcfg.target_layer_ids) * D), "hidden_norm.weight": (D,), "norm.weight": (D,)}
+    for i in range(dcfg.num_hidden_layers):
+        shapes.update({f"layers.{i}.{name}.weight": shape for name, shape in {
+            "input_layernorm": (D,), "post_attention_layernorm": (D,), "self_attn.q_proj": (Hq * Dh, D),
+            "self_attn.k_proj": (Hkv * Dh, D), "self_attn.v_proj": (Hkv * Dh, D), "self_attn.o_proj": (D, Hq * Dh),
+            "self_attn.q_norm": (Dh,), "self_attn.k_norm": (Dh,), "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D),
+            "mlp.down_proj": (D, F)}.items()})
+    return shapes
+
+
+def load_dflash(draft_dir, cfg):  # -> DFlashConfig, nested params {"fc", "hidden_norm", "norm", "layers": [...]}
+    draft_dir = Path(draft_dir)
+    if not draft_dir.is_dir():
+        raise UserError(f"DFlash directory {draft_dir} does not exist")
+    dcfg = dflash_config_from_dict(read_json(draft_dir / "config.json"), cfg)
+    sources, expected = read_checkpoint_headers(draft_dir), dflash_shapes(cfg, dcfg)
+    check_tensors(draft_dir, sources, expected)
+    try:
+        return dcfg, nested_params({name: read_tensor(source) for name, source in sources.items()})
+    except MemoryError:
+        raise UserError(f"{draft_dir}: not enough memory for the drafter's float32 weights") from None
+    except OSError as e:
+        raise UserError(f"{draft_dir}: cannot map the weights ({e})") from None
+
+
 def cast(params, dtype):
     """The weights in another float dtype: float64 separates what is float32 rounding from what is not."""
     if isinstance(params, dict):
@@ -1656,7 +1925,7 @@ def missing_extra(error, extra, needed_by):
     if package in ("", "reference", "conformance", "jax_impl", "qwen35"):
         raise error
     return UserError(f"{needed_by} needs {package}, which is not installed: install the kit with its `{extra}` "
-                     f"extra (pip install \".[{extra}]\" in the repository)")
+                     f"extra (pip install \"KIT[{extra}]\", KIT the wheel or the repository folder it came from)")
 
 
 SEED_RANGE = (0, 2**32 - 1)          # numpy's Generator takes any non-negative int; jax.random.key without x64, 32 bits
@@ -1921,7 +2190,7 @@ SELF_SPECULATIVE = {
 
 
 DRAFT_FORMS = ("none, ngram, mtp, skip:N, model:DIR, partial-mlp:F[:LAYERS], skip-blocks:LAYERS, mixer-reuse:LAYERS, "
-               "residual-reuse:L or mtp-shortlist:PATH")
+               "residual-reuse:L, mtp-shortlist:PATH, dflash:DIR or dflash-sampled:DIR")
 
 
 def make_drafter(spec, params, cfg, ngram_table=None):
@@ -1944,6 +2213,10 @@ def make_drafter(spec, params, cfg, ngram_table=None):
             raise UserError(f"--draft {spec}: vocab_size {draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}")
         return model_drafter(draft_params, draft_cfg, spec)
     name, _, args = spec.partition(":")
+    if name in ("dflash", "dflash-sampled"):
+        if not args:
+            raise UserError(f"--draft {spec}: expected {name}:DIR (a DFlash drafter's checkpoint directory)")
+        return dflash_drafter(spec, params, cfg, *reversed(load_dflash(args, cfg)), sampled=name == "dflash-sampled")
     if name in SELF_SPECULATIVE:
         return SELF_SPECULATIVE[name](spec, args, params, cfg)
     raise UserError(f"--draft {spec!r}: expected {DRAFT_FORMS}")

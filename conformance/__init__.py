@@ -5,6 +5,7 @@
     python -m conformance sample --engine ENGINE [--cases REGEX] [--expectations FILE] [--report out.json] [--seed S]
                                                    the statistical pack: the engine draws with its own random numbers
     python -m conformance serve --engine NAME      a Python adapter as a process engine (INTERPRETING.md section 8)
+    python -m conformance where                    the kit's paths (package, cases, expectations, examples), version
     python -m conformance generate [--check]       rebuild cases/ from reference.py (deterministic; in a clone)
 
 What ships (the checker): runner.py, format.py (the case format), chisquare.py (the statistical pack's test), rules.py
@@ -12,7 +13,8 @@ What ships (the checker): runner.py, format.py (the case format), chisquare.py (
 cases/, expectations/, tolerances.json. What makes the goldens, in a clone only: make/ (the generator and the suite's
 proofs of power); nothing that ships imports it.
 
-Installed from the wheel, this package is qwen35.conformance and the command is `qwen35-conformance`.
+Installed from the wheel, this package is qwen35.conformance and the command is `qwen35-conformance`; the kit's
+pytest plugin (pytest_plugin.py) runs the cases as an engine's own tests: `pytest --qwen35-engine ENGINE`.
 INTERPRETING.md is the contract for engine authors and for readers of the goldens in other languages.
 """
 

@@ -1,17 +1,21 @@
-"""Command line: list, run, sample, serve, generate (see conformance/__init__.py)."""
+"""Command line: list, run, sample, serve, check-server, where, generate, checkpoint (see conformance/__init__.py)."""
 
 import argparse
 import re
 import sys
 from pathlib import Path
 
-from . import KIT, reference as R
-from .engines import EngineError
-from .format import CASES_DIR, GoldenError, case_dirs, read_manifest
+from . import KIT, published, reference as R
+from .runner import OUT_DIR
+from .engines import EngineError, known_engines
+from .format import CASES_DIR, HERE, ROOT, SUITE_VERSION, GoldenError, case_dirs, read_manifest
 
-ENGINE_HELP = ("a shipped adapter (reference, jax, jax_bf16, transformers, llama_cpp, mlx), one an installed package "
-               "registers, package.module:Class (an Engine subclass), or exec:\"COMMAND ARGS\" (a process speaking "
-               "the engine protocol, INTERPRETING.md section 8)")
+
+
+def engine_help():
+    return (f"a shipped adapter or one an installed package registers ({', '.join(known_engines())}), "
+            "package.module:Class (an Engine subclass), or exec:\"COMMAND ARGS\" (a process speaking the engine "
+            "protocol, INTERPRETING.md section 8)")
 
 
 def regex(text):
@@ -31,7 +35,7 @@ def parse_args(argv):
     sample = sub.add_parser("sample", help="the statistical pack: the engine draws with its own random numbers, and "
                             "a chi-square test compares the counts with the exact distribution")
     for mode in (run, sample):
-        mode.add_argument("--engine", required=True, help=ENGINE_HELP)
+        mode.add_argument("--engine", required=True, help=engine_help())
         mode.add_argument("--cases", type=regex, metavar="REGEX", help="only case names matching this regular "
                           "expression")
         mode.add_argument("--expectations", type=Path, metavar="FILE.json",
@@ -41,9 +45,11 @@ def parse_args(argv):
         mode.add_argument("--report", type=Path, metavar="PATH.json", help="write the results as JSON")
         mode.add_argument("--dir", type=Path, default=CASES_DIR, help="cases folder (default: the suite's cases)")
         mode.add_argument("--out-dir", type=Path, metavar="DIR", help="where outputs of failing cases go "
-                          "(default: conformance/_out beside the suite)")
+                          f"(default: ./{OUT_DIR}, under the current directory)")
         mode.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                           help="an exec: engine's limit for answering one request (default 600)")
+    run.add_argument("--no-diagnosis", action="store_true", help="do not recompute a failing case under the "
+                     "catalogued mistakes to name the one the engine's outputs match (INTERPRETING.md section 9)")
     sample.add_argument("--seed", type=int, default=0, help="seeds the engine's draws, one stream per case "
                         "(default 0); each case fails a correct engine with the false-alarm rate its manifest states")
     serve = sub.add_parser("serve", help="serve a Python adapter over the engine protocol on stdin/stdout")
@@ -52,10 +58,31 @@ def parse_args(argv):
                        help="how tensors travel: base64 in the JSON lines, or safetensors files")
     serve.add_argument("--batched-traces", action="store_true",
                        help="take whole serving traces in one request (run_trace) instead of step by step")
+    check = sub.add_parser("check-server", help="send scenario requests to a running server and hold every returned "
+                           "token to the spec (INTERPRETING.md, \"Checking a running server\")")
+    check.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    check.add_argument("--model", required=True, type=Path, metavar="DIR", help="the checkpoint the server loaded")
+    check.add_argument("--scenarios", type=regex, metavar="REGEX", help="only scenario names matching this")
+    check.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default 64)")
+    check.add_argument("--report", type=Path, metavar="PATH.json", help="write the results as JSON")
+    check.add_argument("--dialect", default="jax_impl", help="the server's API: jax_impl, vllm, vllm-logprobs, "
+                       "sglang, text (server_dialects.py; default jax_impl)")
+    check.add_argument("--precision", default="float32", help="the server's: float32 or bfloat16 (the near-tie "
+                       "margin, tolerances.json \"server\")")
+    check.add_argument("--draft", help="jax_impl dialect: every request's drafter (none, ngram, mtp; default: each "
+                       "scenario request's own)")
+    check.add_argument("--served-model-name", help="the \"model\" field sent (default: the checkpoint folder's name)")
+    check.add_argument("--context", type=int, help="the server's context limit, where it is below the checkpoint's "
+                       "max_position_embeddings (\"context\" scenario lengths fill it)")
+    check.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default 600)")
+    sub.add_parser("where", help="where the kit is: its package, cases, expectations, examples, and its version")
     gen = sub.add_parser("generate", help="rebuild the cases from reference.py (in a clone of the repository)")
     gen.add_argument("--out", type=Path, default=CASES_DIR, help="folder to write (default: conformance/cases)")
     gen.add_argument("--check", action="store_true", help="write nothing: regenerate into a temporary folder and "
                      "report what differs from --out beyond float32 rounding (exit 1 if anything does)")
+    ckpt = sub.add_parser("checkpoint", help="write a random checkpoint with a published model's exact layer "
+                          "geometry at reduced depth (conformance/published.py)")
+    published.add_arguments(ckpt)
     args = ap.parse_args(argv)
     if getattr(args, "timeout", None) is not None and not args.timeout > 0:
         ap.error(f"--timeout {args.timeout}: must be > 0")
@@ -78,24 +105,65 @@ def generate(args):
     return 1 if stale else 0
 
 
+def kit_version():
+    """The installed distribution's version, or None in a clone run without an install."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("qwen35-reference")
+    except PackageNotFoundError:
+        return None
+
+
+def where():
+    """The kit's paths and version, for a reader of an installed kit (the files live in site-packages)."""
+    version = kit_version()
+    rows = [("version", f"{version or '(not installed)'}, suite version {SUITE_VERSION}"),
+            ("layout", "installed kit (qwen35.conformance)" if KIT else "clone of the repository (conformance/)"),
+            ("package", HERE), ("cases", CASES_DIR), ("expectations", HERE / "expectations"),
+            ("examples", HERE / "examples"), ("interpreting", HERE / "INTERPRETING.md"),
+            ("checkpoints", ROOT / "weights"), ("failing outputs", f"{OUT_DIR.resolve()} (by default: ./{OUT_DIR})")]
+    for name, value in rows:
+        print(f"{name + ':':<17}{value}")
+
+
+def list_cases(pattern):
+    """A row per case, then the one count of them (runner.counted): the cases `run` runs and the statistical pack."""
+    from .runner import counted, select_cases
+    for folder in case_dirs():
+        if not pattern or re.search(pattern, folder.name):
+            meta = read_manifest(folder)
+            print(f"{meta['name']:<52} {meta['kind']:<16} {' '.join(meta['features'])}")
+    print(f"{counted(select_cases(CASES_DIR, pattern))} for `run`, and {counted(select_cases(CASES_DIR, pattern, True))}"
+          " in the statistical pack for `sample`")
+
+
 def main(argv=None):
-    from .runner import ExpectationsError, OUT_DIR, run
+    from .runner import ExpectationsError, run
     try:
         args = parse_args(argv)
         if args.command == "generate":
             return generate(args)
+        if args.command == "checkpoint":
+            return published.checkpoint_command(args)
+        if args.command == "check-server":
+            from .check_server import ServerError, check_server
+            try:
+                return check_server(args.url, args.model, args.scenarios, args.concurrency, args.report,
+                                    args.dialect, args.precision, args.draft, args.served_model_name, args.timeout,
+                                    context=args.context)[1]
+            except ServerError as e:
+                raise R.UserError(str(e)) from None
         if args.command == "list":
-            for folder in case_dirs():
-                if not args.cases or re.search(args.cases, folder.name):
-                    meta = read_manifest(folder)
-                    print(f"{meta['name']:<52} {meta['kind']:<16} {' '.join(meta['features'])}")
+            list_cases(args.cases)
+        elif args.command == "where":
+            where()
         elif args.command == "serve":
             from .adapter_server import serve
             return serve(args.engine, args.tensors, args.batched_traces)
         else:
             return run(args.engine, args.cases, args.report, args.dir, args.expectations,
                        out_dir=args.out_dir or OUT_DIR, timeout=args.timeout, statistical=args.command == "sample",
-                       seed=getattr(args, "seed", 0))[1]
+                       seed=getattr(args, "seed", 0), diagnose=not getattr(args, "no_diagnosis", False))[1]
     except (R.UserError, GoldenError, EngineError, ExpectationsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

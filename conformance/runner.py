@@ -13,13 +13,15 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-from . import reference as R
+from . import diagnosis, reference as R
 from .chisquare import bin_totals, chi_square
 from .engines import get_engine
 from .format import (CASES_DIR, EXPECTED, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs, features_named, read_manifest,
                      read_tensors, trace_batches)
 
-OUT_DIR = HERE / "_out"           # actual outputs of failing cases, for inspection
+# Actual outputs of failing cases, for inspection: relative, so under the directory the run starts in (never inside
+# the installed kit).
+OUT_DIR = Path("qwen35-conformance-out")
 SHOWN_MISMATCHES = 5
 
 
@@ -276,6 +278,7 @@ class Result(NamedTuple):
     rel: float | None
     details: tuple
     outputs: dict
+    diagnosis: tuple = ()          # a FAIL's matching mistakes (diagnosis.py), when diagnosed
 
 
 def skip_result(name, missing, unsupported):
@@ -295,7 +298,7 @@ def outputs_named(names, specs):
     return ", ".join(f"{kinds.count(kind)} {kind} outputs" for kind in dict.fromkeys(kinds))
 
 
-def run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir):
+def run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir, diagnose_with=None):
     name = meta["name"]
     missing = [f for f in meta["features"] if f not in engine.features]
     if missing:
@@ -332,11 +335,51 @@ def run_case(engine, folder, meta, unsupported, known_failures, load_model, out_
     else:
         unexpected = status in ("FAIL", "ERROR")
     floats = [c for c in compared.values() if c.max_abs is not None]
+    matches = ()
     if status == "FAIL":
         save_actual(out_dir, engine.name, name, actual)
+        if unexpected and diagnose_with and diagnosis.candidates(meta["kind"]):
+            matches, line = diagnose(diagnose_with, meta, inputs, expected, actual, {o: specs[o] for o in compared})
+            details += (line,)
     return Result(name, status, unexpected, "; ".join(notes),
                   max((c.max_abs for c in floats), default=None), max((c.rel for c in floats), default=None), details,
-                  {out: c._asdict() for out, c in compared.items()})
+                  {out: c._asdict() for out, c in compared.items()}, matches)
+
+
+class Diagnoser(NamedTuple):
+    """What diagnose recomputes a case with: the reference adapter and its models by checkpoint."""
+    engine: object
+    load_model: object
+
+
+def reference_diagnoser():
+    engine = get_engine("reference")
+    return Diagnoser(engine, model_loader(engine))
+
+
+def diagnose(diagnoser, meta, inputs, expected, actual, specs):
+    """The catalogued mistakes (diagnosis.py) whose outputs on this case the engine's match within the case's
+    tolerances, among those the case tells from the spec -> (their names, a line for the details)."""
+    told, matches = [], []
+    model = diagnoser.load_model(meta["checkpoint"]) if meta["checkpoint"] else None
+    for mistake in diagnosis.candidates(meta["kind"]):
+        with diagnosis.applied(mistake):
+            try:
+                variant = DRIVERS.get(meta["kind"], drive_op)(diagnoser.engine, meta, inputs, expected, model)
+            except Exception:       # a mistake that cannot run on this case (a shape it breaks) tells nothing here
+                continue
+        names = [out for out in specs if out in variant and np.shape(variant[out]) == expected[out].shape]
+        if not names or all(compare(specs[out], variant[out], expected[out]).ok for out in names):
+            continue                # the case cannot tell this mistake from the spec
+        told.append(mistake.name)
+        if all(compare({**specs[out], "ties": {}}, actual.get(out), np.asarray(variant[out])).ok for out in names):
+            matches.append(mistake.name)
+    if matches:
+        return tuple(matches), (f"diagnosis: the outputs match {' and '.join(f'`{m}`' for m in matches)} ("
+                                f"{'; '.join(diagnosis.MISTAKES[m].description for m in matches)}); INTERPRETING.md "
+                                "section 9")
+    return (), (f"diagnosis: the outputs match none of the {len(told)} catalogued mistakes this case tells apart "
+                "(INTERPRETING.md section 9)")
 
 
 def actual_dir(out_dir, engine_name):
@@ -387,57 +430,82 @@ def select_cases(cases_dir, pattern, statistical=False):
             for run in runs_of(read_manifest(folder)) if (run["kind"] in STATISTICAL) == statistical]
 
 
+def counted(runs):
+    """What a selection of runs (select_cases) covers: "121 cases (149 runs: 28 traces run once per rollback strategy,
+    per-position and replay)", or "7 cases" where every case runs once."""
+    cases = len({folder for folder, _ in runs})
+    text = f"{cases} case{'s' * (cases != 1)}"
+    if len(runs) == cases:
+        return text
+    folders = [folder for folder, _ in runs]
+    twice = len({folder for folder in folders if folders.count(folder) > 1})
+    return (f"{text} ({len(runs)} runs: {twice} trace{'s' * (twice != 1)} run once per rollback strategy, "
+            f"{' and '.join(R.ROLLBACK_STRATEGIES)})")
+
+
 def seeded(meta, seed):
     """A statistical case with the seed its engine draws with: one stream per case and run seed."""
     return {**meta, "seed": zlib.crc32(f"{meta['name']}#{seed}".encode())}
 
 
 def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None,
-        out_dir=OUT_DIR, timeout=None, fail_fast=False, statistical=False, seed=0):
+        out_dir=OUT_DIR, timeout=None, fail_fast=False, statistical=False, seed=0, diagnose=True):
     """Returns (results, exit code): 1 when any result is unexpected. `engine_name`: anything get_engine takes (a
     name, package.module:Class, exec:COMMAND; `timeout` is a process engine's per-request limit). `expectations`: a
     dict or a JSON file, by default the engine's own (own_expectations). The table goes to `out` (stdout), progress
     lines to `progress` (stderr), outputs of failing cases to `out_dir`/<engine>/. fail_fast: stop after the first
     unexpected result (the results then end with it). statistical: run the statistical pack (`sample` mode), its
-    engine seeded from `seed`, instead of the other cases."""
+    engine seeded from `seed`, instead of the other cases. diagnose: name the catalogued mistake each unexpected FAIL
+    matches (diagnosis.py)."""
     out, progress = out or sys.stdout, progress or sys.stderr
     engine = get_engine(engine_name, timeout)
     try:
         return run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir,
-                          fail_fast, statistical, seed)
+                          fail_fast, statistical, seed, diagnose)
     finally:
         engine.close()
 
 
-def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir, fail_fast=False,
-               statistical=False, seed=0):
+def engine_expectations(engine, expectations):
+    """`expectations` (a dict, a JSON file, or None: the engine's own, own_expectations) -> (its file or None, the
+    unsupported features, the known failures)."""
     if expectations is None:
         expectations = own_expectations(engine)
     source = expectations if isinstance(expectations, (str, Path)) else None
     data = read_expectations(source) if source else {} if expectations is None else expectations
-    unsupported, known_failures = checked_expectations(data, source or "the expectations given")
-    cases = [(folder, seeded(meta, seed) if statistical else meta)
-             for folder, meta in select_cases(cases_dir, pattern, statistical)]
+    return (source, *checked_expectations(data, source or "the expectations given"))
+
+
+def model_loader(engine):
+    """A case's checkpoint -> the engine's model of it, each checkpoint loaded once."""
     models = {}
 
     def load_model(checkpoint):
         if checkpoint["name"] not in models:
             models[checkpoint["name"]] = engine.load(ROOT / checkpoint["path"])
         return models[checkpoint["name"]]
+    return load_model
 
-    results = []
+
+def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir, fail_fast=False,
+               statistical=False, seed=0, diagnose=True):
+    source, unsupported, known_failures = engine_expectations(engine, expectations)
+    cases = [(folder, seeded(meta, seed) if statistical else meta)
+             for folder, meta in select_cases(cases_dir, pattern, statistical)]
+    load_model = model_loader(engine)
+    results, diagnoser = [], reference_diagnoser() if diagnose and not statistical else None
     for i, (folder, meta) in enumerate(cases, 1):
-        results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir))
+        results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir, diagnoser))
         print(f"[{i}/{len(cases)}] {results[-1].status:<5} {meta['name']}", file=progress, flush=True)
         if fail_fast and results[-1].unexpected:
             break
     print_table(results, out)
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "ERROR", "SKIP")}
     unexpected = [r.name for r in results if r.unexpected]
-    print(f"\n{engine_name}: {len(results)} cases: " + ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
+    print(f"\n{engine_name}: {counted(cases[:len(results)])}: " + ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
           + (f"; {len(unexpected)} unexpected (marked !)" if unexpected else "; all as expected"), file=out)
     if counts["FAIL"]:
-        print(f"outputs of the failing cases: {actual_dir(out_dir, engine.name)}", file=out)
+        print(f"outputs of the failing cases: {actual_dir(out_dir, engine.name).resolve()}", file=out)
     if report:
         Path(report).write_text(json.dumps({
             "suite_version": SUITE_VERSION, "engine": engine_name, "precision": engine.precision,
@@ -446,5 +514,5 @@ def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, ou
             "summary": {**counts, "unexpected": unexpected},
             "cases": [{"name": r.name, "status": r.status, "unexpected": r.unexpected, "note": r.note,
                        "max_abs_error": r.max_abs, "rel_error": r.rel, "details": list(r.details),
-                       "outputs": r.outputs} for r in results]}, indent=1) + "\n")
+                       "outputs": r.outputs, **({"diagnosis": list(r.diagnosis)} if r.diagnosis else {})} for r in results]}, indent=1) + "\n")
     return results, 1 if unexpected else 0

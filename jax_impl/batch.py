@@ -294,6 +294,11 @@ def resume(slots, index, prefill_to):
                           phase=slots.phase.at[index].set(PREFILL))
 
 
+def free(slots, index):
+    """Slot `index` takes no more steps (a cancelled request); admit overwrites it."""
+    return slots._replace(phase=slots.phase.at[index].set(FREE))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # A step whose rows come from the caller (the conformance adapter's serving traces): tokens, drafts, q, uniforms and
 # commit rules given, nothing drafted or drawn here.

@@ -43,6 +43,7 @@ new_slots = jax.jit(batch.empty_slots, static_argnums=(0, 1, 2, 3, 4))
 admit_slot = jax.jit(batch.admit, donate_argnums=0)
 read_slot = jax.jit(batch.read_slot)
 resume_slot = jax.jit(batch.resume, donate_argnums=0)
+free_slot = jax.jit(batch.free, donate_argnums=0)
 
 
 class Request(NamedTuple):
@@ -208,6 +209,20 @@ class Server:
         self.steps += int(fetch(steps))
         self.syncs += 1
         return self.collect()
+
+    def cancel(self, request_id):
+        """Drop a waiting or running request: its slot is freed at once (no more tokens, no result, no prefix-cache
+        entry). -> whether it was still there (a finished or unknown request is left alone)."""
+        for item in self.waiting:
+            if item[0] == request_id:
+                self.waiting.remove(item)
+                return True
+        for index, live in enumerate(self.live):
+            if live is not None and live.id == request_id:
+                self.slots = free_slot(self.slots, np.int32(index))
+                self.live[index] = None
+                return True
+        return False
 
     def result(self, request_id):
         """(tokens, stats) of a finished request: stats as jax_impl.generate's (without its timings)."""

@@ -1,6 +1,7 @@
 """The command line contract: flags, outputs, and one-line errors with exit code 2."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -178,3 +179,26 @@ def test_user_errors_are_one_line_and_exit_2(make_args, message, tmp_path, capsy
 def test_errors_have_no_traceback():
     run = cli("--prompt-ids", "1,99999")
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+
+
+# What each way of starting leaves as the process's BLAS threads (read after NumPy has loaded): the command line
+# defaults to one, an importer and an explicit setting keep theirs.
+BLAS_AFTER = {
+    "python reference.py": "import runpy, sys; sys.argv = ['reference.py', '--help']\n"
+                           "try:\n    runpy.run_path('reference.py', run_name='__main__')\nexcept SystemExit:\n    pass",
+    "qwen35-reference": "import sys; sys.argv[0] = '/venv/bin/qwen35-reference'; import reference",
+    "import reference": "import reference",
+    "the tests' conftest": "import sys; sys.path.insert(0, 'tests'); import conftest",
+}
+
+
+@pytest.mark.parametrize("start, given, expected", [
+    ("python reference.py", None, "1"), ("qwen35-reference", None, "1"), ("python reference.py", "2", "2"),
+    ("import reference", None, None), ("the tests' conftest", None, "1"), ("the tests' conftest", "2", "2")])
+def test_blas_threads_default_to_one_on_the_command_line_and_in_the_tests(start, given, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    env.update({"OPENBLAS_NUM_THREADS": given} if given else {})
+    code = f"{BLAS_AFTER[start]}\nimport os, numpy\nprint(os.environ.get('OPENBLAS_NUM_THREADS'))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == str(expected)

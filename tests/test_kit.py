@@ -125,6 +125,18 @@ def test_the_kit_ships_the_checker_without_the_golden_generator(kit):
     assert run.returncode == 2 and "in a clone" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
+def test_where_names_the_installed_kits_files(kit):
+    bin_dir, elsewhere, env, wheel = kit
+    rows = dict(line.split(":", 1) for line in check([bin_dir / "qwen35-conformance", "where"], elsewhere,
+                                                     env).stdout.splitlines())
+    rows = {name: value.strip() for name, value in rows.items()}
+    assert rows["version"].startswith(wheel.name.split("-")[1] + ", suite version ")
+    assert rows["layout"] == "installed kit (qwen35.conformance)"
+    for name in ("package", "cases", "expectations", "examples", "interpreting", "checkpoints"):
+        assert rows[name].startswith(str(bin_dir.parent)) and os.path.exists(rows[name]), (name, rows[name])
+    assert rows["failing outputs"].startswith(str(elsewhere / "qwen35-conformance-out"))
+
+
 def test_the_reference_command_line_runs_the_embedded_model(kit):
     bin_dir, elsewhere, env, _ = kit
     run = check([bin_dir / "qwen35-reference", "--prompt", "def fibonacci(n):", "--max-new-tokens", "8", "--json"],
@@ -136,7 +148,7 @@ def test_the_reference_command_line_runs_the_embedded_model(kit):
 def test_the_suite_runs_from_another_directory(kit):
     bin_dir, elsewhere, env, _ = kit
     listed = check([bin_dir / "qwen35-conformance", "list"], elsewhere, env).stdout.splitlines()
-    assert len(listed) == len(case_dirs())
+    assert len(listed) == len(case_dirs()) + 1 and listed[-1].endswith("in the statistical pack for `sample`")
     check([bin_dir / "qwen35-conformance", "run", "--engine", "reference", "--report", "reference.json"], elsewhere, env)
     report = json.loads((elsewhere / "reference.json").read_text())
     assert report["summary"]["PASS"] == len(report["cases"]) >= len(case_dirs())
@@ -161,9 +173,44 @@ def test_an_engine_in_its_own_package_with_its_own_expectations(kit, tmp_path):
         assert cases["op-l2norm"]["status"] == "PASS"
         assert cases["op-rms_norm"]["status"] == "FAIL" and not cases["op-rms_norm"]["unexpected"]
         assert cases["op-rope-Dh16-partial0.25"]["note"] == "lacks rope: two primitives only"
+    assert len(list((elsewhere / "qwen35-conformance-out").glob("*/op-rms_norm.safetensors"))) == 2
+    assert not list((bin_dir.parent / "lib").rglob("op-rms_norm.safetensors"))     # nothing in site-packages
     run = check([bin_dir / "qwen35-conformance", "run", "--engine", "myengine", "--expectations", "missing.json"],
                 elsewhere, env, code=2)
     assert run.stderr.strip() == "error: missing.json: cannot read it (No such file or directory)"
+
+
+def test_the_pytest_plugin_runs_the_suite_as_an_engines_own_tests(kit, tmp_path):
+    """The kit's pytest11 entry point: a shipped engine passes, the stranger's engine xfails its known failure and
+    skips what it lacks, and without its expectations fails with the runner's report."""
+    bin_dir, _, env, _ = kit
+    (tmp_path / "myengine").mkdir()
+    (tmp_path / "myengine" / "__init__.py").write_text("")
+    (tmp_path / "myengine" / "engine.py").write_text(textwrap.dedent(PLUGIN_ENGINE))
+    (tmp_path / "mine.json").write_text(json.dumps(PLUGIN_EXPECTATIONS))
+    (tmp_path / "none.json").write_text("{}")
+    (tmp_path / "tests").mkdir()
+    env = {**env, "PYTHONPATH": str(tmp_path)}
+    pytest_ = [bin_dir / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--qwen35-cases", "^op-"]
+    ops = sum(folder.name.startswith("op-") for folder in case_dirs())
+    run = check([*pytest_, "--qwen35-engine", "reference"], tmp_path / "tests", env)
+    assert f"{ops} passed" in run.stdout.splitlines()[-1], run.stdout
+    run = check([*pytest_[:-1], "^draws-spec-one-hot", "--qwen35-engine", "reference", "--qwen35-sample",
+                 "--qwen35-seed", "7"], tmp_path / "tests", env)
+    assert "1 passed" in run.stdout.splitlines()[-1], run.stdout            # the statistical pack's case
+    run = check([*pytest_, "--qwen35-engine", "myengine.engine:MyEngine", "--qwen35-expectations=../mine.json"],
+                tmp_path / "tests", env)
+    assert f"1 passed, {ops - 2} skipped, 1 xfailed" in run.stdout.splitlines()[-1], run.stdout
+    run = check([*pytest_, "--qwen35-engine", "myengine.engine:MyEngine", "--qwen35-expectations=../none.json",
+                 "-k", "l2norm or rms_norm and not gated"], tmp_path / "tests", env, code=1)
+    assert f"1 failed, 1 passed, {ops - 2} deselected" in run.stdout.splitlines()[-1], run.stdout
+    report = run.stdout[run.stdout.index("qwen35-conformance::op-rms_norm"):]
+    assert "op-rms_norm  FAIL!" in report and "elements outside atol=" in report and "Traceback" not in report
+    assert "FAILED qwen35-conformance::op-rms_norm" in run.stdout
+    assert (tmp_path / "tests" / "qwen35-conformance-out" / "myengine.engine_MyEngine" / "op-rms_norm.safetensors"
+            ).is_file()
+    run = check([*pytest_, "--qwen35-engine", "nosuch"], tmp_path / "tests", env, code=4)
+    assert "--qwen35-engine: no engine 'nosuch'; known: " in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("engine, blocked", [("transformers", "torch"), ("llama_cpp", "llama_cpp"), ("mlx", "mlx"),
@@ -174,7 +221,7 @@ def test_an_engine_without_its_dependency_names_the_extra(engine, blocked):
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert run.stderr.startswith(f"error: engine {engine} needs {blocked}, which is not installed")
-    assert f"`{EXTRAS[engine]}` extra" in run.stderr
+    assert f"`{EXTRAS[engine]}` extra (pip install \"KIT[{EXTRAS[engine]}]\", KIT the wheel or the repository" in run.stderr
 
 
 @pytest.mark.parametrize("module, args", [("jax_impl", ["--prompt-ids", "1,2"]), ("weights.evaluate", ["weights/default"])])

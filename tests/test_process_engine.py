@@ -88,6 +88,12 @@ def tensor(a):
     return {"dtype": "F32", "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
 
 mode = sys.argv[1]
+if len(sys.argv) > 2:            # where to write its process id
+    open(sys.argv[2], "w").write(str(os.getpid()))
+if mode == "feature-stubborn":   # an unknown feature, and deaf to the end of its input
+    print(json.dumps({"id": json.loads(sys.stdin.readline())["id"], "ok": True, "protocol": 1,
+                      "features": ["no_such_feature"]}), flush=True)
+    time.sleep(600)
 for line in sys.stdin:
     r = json.loads(line)
     answer = {"id": r["id"], "ok": True}
@@ -148,6 +154,16 @@ def test_engines_that_cannot_start_are_one_line_errors(fake, tmp_path):
     run = subprocess.run([sys.executable, "-m", "conformance", "run", "--engine", "exec:/no/such/engine"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stderr.startswith("error: exec:")
+
+
+@pytest.mark.parametrize("mode", ["feature", "feature-stubborn"])
+def test_an_engine_refused_at_its_handshake_is_stopped(fake, mode, tmp_path):
+    pid_file = tmp_path / "pid"
+    with pytest.raises(EngineError, match=r"unknown features \['no_such_feature'\]"):
+        runner.get_engine(f"{fake(mode)} {pid_file}")
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):      # killed and reaped: no such process any more
+        os.kill(pid, 0)
 
 
 def test_states_the_runner_drops_are_freed_in_the_engine():

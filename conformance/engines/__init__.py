@@ -62,7 +62,22 @@ def get_engine(spec, timeout=None):
             engine = cls()
         except Exception as e:
             raise EngineError(f"engine {spec}: creating {cls!r} failed: {type(e).__name__}: {e}") from None
-    return checked(engine, spec)
+    try:
+        return checked(engine, spec)
+    except EngineError:
+        if isinstance(engine, Engine):   # a refused engine holds nothing afterwards (a process engine: its process)
+            engine.close()
+        raise
+
+
+def installed_engines():
+    """{name: entry point} of the engines installed packages register (ENTRY_POINT_GROUP)."""
+    return {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_engines():
+    """The names --engine takes: the shipped adapters, those registered here and those installed packages register."""
+    return sorted({*SHIPPED, *ENGINES, *installed_engines()})
 
 
 def registered_class(name):
@@ -73,10 +88,10 @@ def registered_class(name):
             raise EngineError(str(R.missing_extra(e, EXTRAS.get(name, "test"), f"engine {name}"))) from None
     if name in ENGINES:
         return ENGINES[name]
-    registered = {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
+    registered = installed_engines()
     if name in registered:
         return imported_class(registered[name].value)
-    raise UnknownEngine(f"no engine {name!r}; known: {', '.join(sorted({*SHIPPED, *ENGINES, *registered}))}, or give "
+    raise UnknownEngine(f"no engine {name!r}; known: {', '.join(known_engines())}, or give "
                         "package.module:Class or exec:COMMAND (INTERPRETING.md sections 7 and 8)")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import Engine, EngineError
+from . import Engine, EngineError, checked
 from ..format import SUITE_VERSION
 from ..protocol import (MAX_LINE_BYTES, PROTOCOL_VERSION, ProtocolError, from_wire, new_files, to_wire,
                         write_files)
@@ -63,16 +63,18 @@ class ProcessEngine(Engine):
         try:
             hello = self.start()
         except (ProtocolError, EngineFailed) as e:
-            self.close()
-            raise EngineError(f"exec:{command}: {e}") from None
+            self.refuse(f"exec:{command}: {e}")
         self.features = hello.get("features")
         self.precision = hello.get("precision", "fp32")
         self.optional_ops = set(hello.get("optional_ops", ()))
         unknown = self.optional_ops - set(OPTIONAL_OPS)
         if hello.get("tensors", "inline") not in ("inline", "files") or unknown:
-            self.close()
-            raise EngineError(f"exec:{command}: hello answered tensors={hello.get('tensors')!r} (inline or files) and "
-                              f"optional_ops {sorted(unknown)} (known: {', '.join(OPTIONAL_OPS)})")
+            self.refuse(f"exec:{command}: hello answered tensors={hello.get('tensors')!r} (inline or files) and "
+                        f"optional_ops {sorted(unknown)} (known: {', '.join(OPTIONAL_OPS)})")
+        try:
+            checked(self, f"exec:{command}")    # its features and precision, here so that a refusal stops it
+        except EngineError as e:
+            self.refuse(str(e))
 
     # The process.
 
@@ -96,6 +98,12 @@ class ProcessEngine(Engine):
             self.process.kill()
             self.process.wait()
             self.process = None
+
+    def refuse(self, message):
+        """A handshake that failed: the process is killed (it may not read its input any more) -> EngineError."""
+        self.stop()
+        self.close()
+        raise EngineError(message) from None
 
     def close(self):
         if self.process is not None:    # end of input: the engine exits

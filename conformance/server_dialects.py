@@ -1,0 +1,145 @@
+"""How check-server talks to a server: one Dialect per API (INTERPRETING.md, "Checking a running server").
+
+A dialect turns a scenario's request (ServerRequest) into an HTTP POST body and reads the server's answer, whole or
+one server-sent event at a time, into a Chunk. Token ids, never text, where the API can return them: a dialect whose
+`ids` is False gets text back, which check-server re-tokenises and accepts only where it round-trips (decode(encode
+(text)) == text); its failures may then be tokenisation's, and the report says which dialect was used.
+
+To add a server: subclass Dialect, set name, path, ids; write body() and chunk(); add it to DIALECTS.
+"""
+
+from typing import NamedTuple
+
+
+class ServerRequest(NamedTuple):
+    """One request as check-server sends it (a scenario's request with its prompt built)."""
+    prompt: list                  # token ids
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple = ()    # besides EOS (unless ignore_eos)
+    ignore_eos: bool = False
+    stream: bool = False
+    draft: str = None             # jax_impl's per-request drafter (none, ngram, mtp); others set it server-side
+    draft_len: int = None
+
+
+class Chunk(NamedTuple):
+    """What one response (or one streamed event) adds."""
+    ids: list = None              # generated token ids, in order (None: the dialect returns text)
+    text: str = None
+    finish: str = None            # "stop" (a stop id or EOS ended it), "length" (max_tokens or the context), None
+    logprobs: list = None         # the log-probability of each id in `ids`, where the server returns them
+
+
+def sampling_fields(r):
+    return {"temperature": r.temperature, "top_p": r.top_p, "seed": r.seed,
+            **({"top_k": r.top_k} if r.top_k else {})}
+
+
+def openai_chunk(payload, ids_of):
+    choice = (payload.get("choices") or [{}])[0]
+    logprobs = choice.get("logprobs") or {}
+    finish = choice.get("finish_reason")
+    return Chunk(ids_of(choice, logprobs), choice.get("text"), finish if finish in ("stop", "length") else None,
+                 logprobs.get("token_logprobs"))
+
+
+class Dialect:
+    name = "?"
+    path = "/v1/completions"
+    ids = True                    # the API returns token ids
+    includes_stop = True          # a stop id that ends a completion is among the returned ids (else left out)
+
+    def body(self, r, model):
+        raise NotImplementedError
+
+    def chunk(self, payload):
+        raise NotImplementedError
+
+
+class JaxImpl(Dialect):
+    """jax_impl.http_server: OpenAI /v1/completions, ids in choices[].token_ids, the drafter per request."""
+    name = "jax_impl"
+
+    def body(self, r, model):
+        body = {"model": model, "prompt": list(r.prompt), "max_tokens": r.max_tokens, "stream": r.stream,
+                "stop_token_ids": list(r.stop_token_ids), "ignore_eos": r.ignore_eos, **sampling_fields(r)}
+        if r.draft is not None:
+            body["draft"] = r.draft
+        if r.draft_len is not None:
+            body["draft_len"] = r.draft_len
+        return body
+
+    def chunk(self, payload):
+        return openai_chunk(payload, lambda choice, logprobs: choice.get("token_ids"))
+
+
+class VLLM(Dialect):
+    """vLLM >= 0.10.2: OpenAI /v1/completions with return_token_ids (choices[].token_ids); drafting is the server's
+    --speculative-config."""
+    name = "vllm"
+
+    def body(self, r, model):
+        return {"model": model, "prompt": list(r.prompt), "max_tokens": r.max_tokens, "stream": r.stream,
+                "stop_token_ids": list(r.stop_token_ids), "ignore_eos": r.ignore_eos, "return_token_ids": True,
+                "skip_special_tokens": False, **sampling_fields(r)}
+
+    def chunk(self, payload):
+        return openai_chunk(payload, lambda choice, logprobs: choice.get("token_ids"))
+
+
+class VLLMLogprobs(VLLM):
+    """Older vLLM: the ids through logprobs=1 and return_tokens_as_token_ids ("token_id:123" tokens), the
+    log-probabilities with them."""
+    name = "vllm-logprobs"
+
+    def body(self, r, model):
+        body = super().body(r, model)
+        del body["return_token_ids"]
+        return {**body, "logprobs": 1, "return_tokens_as_token_ids": True}
+
+    def chunk(self, payload):
+        return openai_chunk(payload, lambda choice, logprobs: None if "tokens" not in logprobs else [
+            int(t.rpartition(":")[2]) for t in logprobs["tokens"]])
+
+
+class SGLang(Dialect):
+    """SGLang's native /generate: input_ids in, the ids from meta_info.output_token_logprobs ([logprob, id, text]
+    per token, with return_logprob); drafting is the server's --speculative-algorithm."""
+    name = "sglang"
+    path = "/generate"
+
+    def body(self, r, model):
+        sampling = {"max_new_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                    "top_k": r.top_k or -1, "stop_token_ids": list(r.stop_token_ids), "ignore_eos": r.ignore_eos}
+        return {"input_ids": list(r.prompt), "sampling_params": sampling, "return_logprob": True,
+                "stream": r.stream, **({"sampling_seed": r.seed} if r.temperature else {})}
+
+    def chunk(self, payload):
+        meta = payload.get("meta_info") or {}
+        entries = meta.get("output_token_logprobs") or []
+        finish = (meta.get("finish_reason") or {}).get("type")
+        return Chunk([int(e[1]) for e in entries], payload.get("text"),
+                     {"stop": "stop", "length": "length"}.get(finish), [float(e[0]) for e in entries])
+
+
+class Text(Dialect):
+    """Any OpenAI-compatible /v1/completions, text only: the prompt still goes in as ids (the OpenAI API takes
+    them), the completion comes back as text and is re-tokenised (checked to round-trip)."""
+    name = "text"
+    ids = False
+
+    def body(self, r, model):
+        return {"model": model, "prompt": list(r.prompt), "max_tokens": r.max_tokens, "stream": r.stream,
+                **sampling_fields(r)}
+
+    def chunk(self, payload):
+        return openai_chunk(payload, lambda choice, logprobs: None)
+
+
+# Streaming SGLang sends cumulative meta_info: SGLang streams are read as whole answers (stream forced off).
+DIALECTS = {d.name: d for d in (JaxImpl(), VLLM(), VLLMLogprobs(), SGLang(), Text())}
+CUMULATIVE_STREAMS = {"sglang"}
