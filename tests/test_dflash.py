@@ -316,3 +316,25 @@ def test_the_tiny_drafter_is_what_its_script_writes(tmp_path):
     from weights.make_tiny_dflash import digest, write
     write(tmp_path)
     assert digest(tmp_path) == digest(DIR)
+
+
+def test_a_published_qwen35_drafters_config_loads_with_its_tensor_count_and_size():
+    """The config of z-lab's Qwen3.5-4B drafter as ports quote it, against the Qwen3.5-4B target: six Qwen3 layers
+    (five sliding), eight taps, block 16; the ports' manifest gives 69 tensors and 634,425,856 parameters."""
+    from conformance.published import published_config
+    cfg = R.config_from_dict(published_config("Qwen3.5-4B", 32, vocab=248320))
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 2560,
+           "intermediate_size": 9216,
+           "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "vocab_size": 248320, "num_target_layers": 32, "rms_norm_eps": 1e-6, "attention_bias": False,
+           "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 4096,
+           "use_sliding_window": True, "tie_word_embeddings": True, "pad_token_id": None,
+           "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
+           "dflash_config": {"block_size": 16, "mask_token_id": 248077,
+                             "target_layer_ids": [1, 5, 9, 13, 17, 21, 25, 29]}}
+    dcfg = R.dflash_config_from_dict(raw, cfg)
+    assert (dcfg.block_size, dcfg.mask_token_id, dcfg.sliding_window, dcfg.rope_theta) == (16, 248077, 4096, 1e7)
+    assert dcfg.target_layer_ids == (1, 5, 9, 13, 17, 21, 25, 29) and dcfg.is_causal is None
+    shapes = R.dflash_shapes(cfg, dcfg)
+    assert shapes["fc.weight"] == (2560, 8 * 2560)
+    assert len(shapes) == 69 and sum(int(np.prod(s)) for s in shapes.values()) == 634_425_856
