@@ -56,6 +56,7 @@ class Suite:
             self.engine.close()
             raise pytest.UsageError(f"{SUITE}: {e}") from None
         self.load_model = runner.model_loader(self.engine)
+        self.diagnoser = runner.reference_diagnoser()      # names the usual mistake a failure matches
         self.out_dir = Path(option("qwen35_out_dir") or runner.OUT_DIR)
 
     def close(self):
@@ -81,7 +82,7 @@ class CaseItem(pytest.Item):
         from .runner import actual_dir, print_table, run_case
         suite = self.config.stash[SUITE_KEY]
         result = run_case(suite.engine, self.folder, self.meta, suite.unsupported, suite.known_failures,
-                          suite.load_model, suite.out_dir)
+                          suite.load_model, suite.out_dir, suite.diagnoser)
         if result.unexpected:
             report = io.StringIO()
             print_table([result], report)
