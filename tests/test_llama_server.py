@@ -1,6 +1,8 @@
-"""llama.cpp's llama-server (tests/llama_server.py: built once into the user's cache from the llama.cpp source
-llama-cpp-python vendors, started as a real process on a free localhost port, stopped even on failure) serving
-tiny-mtp's GGUF (the llama_cpp engine's conversion), read through check-server's llama-server dialect."""
+"""check-server against llama.cpp's llama-server (tests/llama_server.py: built once into the user's cache from the
+llama.cpp source llama-cpp-python vendors, started as a real process on a free localhost port, stopped even on
+failure) serving tiny-mtp's GGUF (the llama_cpp engine's conversion) with parallel slots, continuous batching and
+prompt caching: each run in conformance/expectations/server-llama-server.json fails exactly as recorded there (rule
+and request per failing scenario), so that a fixed bug or a new one shows."""
 
 import json
 import urllib.error
@@ -17,11 +19,24 @@ from conformance.engines.llama_cpp import gguf_file
 from llama_server import llama_server
 
 MODEL = ROOT / "weights" / "tiny-mtp"
+EXPECTATIONS = ROOT / "conformance" / "expectations" / "server-llama-server.json"
+RUNS = json.loads(EXPECTATIONS.read_text())["runs"]
 
 
 @pytest.fixture(scope="module")
 def gguf():
     return gguf_file(MODEL)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[run["name"] for run in RUNS])
+def test_check_server_fails_as_the_expectations_file_records(gguf, tmp_path, run):
+    with llama_server(gguf, tmp_path / "server.log", slots=run["slots"], extra=run["options"]) as url:
+        summary, _ = cs.check_server(url, MODEL, dialect=run["dialect"], scenarios_regex=run["scenarios"],
+                                     report=tmp_path / "report.json", log=lambda line: None, timeout=300)
+    found = {r["scenario"]: sorted({f["rule"] for f in r["failures"]}) for r in summary["scenarios"] if r["failures"]}
+    assert found == {name: finding["rules"] for name, finding in run["findings"].items()}, \
+        json.dumps([r for r in summary["scenarios"] if r["failures"]], indent=1)[:6000]
+    assert all(r["tokens"] > 0 for r in summary["scenarios"])
 
 
 def completion(url, body):
@@ -34,7 +49,7 @@ def completion(url, body):
 def test_one_request_is_the_specs_greedy_continuation_with_its_logprobs(gguf, tmp_path):
     """The dialect's reading of a real answer: ids in `tokens`, one log-probability each, the limit as "length"."""
     prompt = [50, 197, 163, 112, 121, 220, 9, 221, 49, 193, 27, 21]
-    dialect = DIALECTS["llama-server"]
+    dialect = DIALECTS["llama-server-logprobs"]
     with llama_server(gguf, tmp_path / "server.log", slots=1) as url:
         chunk = dialect.chunk(completion(url, dialect.body(ServerRequest(prompt, 12), "tiny-mtp")))
     cfg, params = R.load_model(MODEL)
