@@ -184,10 +184,8 @@ def top_p_ties_higher_id_first(logits, sampling):
 
 
 def accepting_by(parts):
-    """reference.accept with rules.py's parts: a wrong rule of speculative sampling."""
+    """reference.accept with rules.py's parts: a wrong rule of greedy acceptance or speculative sampling."""
     def accept(draft, q, logits, sampling, u):
-        if sampling.temperature == 0:
-            return R.accept_greedy(draft, logits)
         return rules.decide(parts, rules.Round(list(draft), q, logits, sampling), u)
     return accept
 
