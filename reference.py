@@ -1355,6 +1355,91 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
         on_tokens(r.committed)
     return tokens, stats.result(len(tokens))
 
+# Tree drafting and generation (docs/trees.md). A tree budget bounds a round's drafted nodes (the root excluded),
+# their depth and each node's children.
+
+class TreeBudget(NamedTuple):
+    nodes: int
+    depth: int
+    branch: int
+
+
+def add_path(tree_tokens, parents, continuation, budget):  # grow the trie [root] + nodes along a continuation
+    node, depth = 0, 0
+    for token in continuation[:budget.depth]:
+        children = tree_children(parents, node)
+        match = next((c for c in children if tree_tokens[c] == token), None)
+        if match is None:
+            if len(children) >= budget.branch or len(tree_tokens) - 1 >= budget.nodes:
+                return
+            tree_tokens.append(int(token))
+            parents.append(node)
+            match = len(tree_tokens) - 1
+        node, depth = match, depth + 1
+
+
+def ngram_tree(context, budget, max_ngram=3):  # -> tokens (N,) with the root context[-1], parents (N,)
+    """Several continuations from the context: for the longest suffix (<= max_ngram tokens) seen before, what followed
+    each earlier occurrence, latest first, merged into a trie within the budget. One-hot q: the drafts are
+    deterministic."""
+    tokens, parents = [int(context[-1])], [-1]
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        suffix = list(context[-n:])
+        starts = [s for s in range(len(context) - n - 1, -1, -1) if list(context[s:s + n]) == suffix]
+        for start in starts:
+            add_path(tokens, parents, list(context[start + n:start + n + budget.depth]), budget)
+        if starts:
+            break
+    return tokens, parents
+
+
+def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, propose_tree, budget,
+                              rollback="replay", on_tokens=lambda new: None):
+    """Speculative decoding with a draft tree per round: propose_tree(context, budget) -> tokens, parents (root =
+    context[-1]) with one-hot q. -> the tokens and generate's stats."""
+    limit, tokens, calls, start = token_limit(cfg, prompt, max_new_tokens), [], 0, time.perf_counter()
+    prefill_done = start
+    if limit > 0:
+        logits, _, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+        prefill_done = time.perf_counter()
+        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
+        on_tokens(tokens[-1:])
+    while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
+        room = budget._replace(depth=min(budget.depth, limit - len(tokens) - 1))   # room for the target's token
+        tree, parents = propose_tree(list(prompt) + tokens, room)
+        logits, _, verified = verify_tree(params, cfg, state, tree, parents, rollback)
+        u = rng.random(len(tree)) if sampling.temperature else None
+        path, token = accept_tree(tree, parents, one_hot(tree[1:], cfg.vocab_size), logits, sampling, u)
+        committed = until_stop([tree[j] for j in path[1:]] + [token], cfg.eos_token_id)
+        state = commit_tree(verified, path[:len(committed)])
+        tokens += committed
+        on_tokens(committed)
+        calls += 1
+    end = time.perf_counter()
+    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
+                    "tokens_per_call": (len(tokens) - 1) / calls if calls else 0.0, "tree": budget._asdict(),
+                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+
+
+TREE_LIMITS = {"nodes": 64, "depth": 16, "branch": 8}
+
+
+def parse_tree_budget(text):  # "NODES[:DEPTH[:BRANCH]]" -> TreeBudget; depth defaults to nodes, branch to nodes
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3:
+        raise UserError(f"--tree {text!r}: expected NODES[:DEPTH[:BRANCH]], integers")
+    nodes = values[0]
+    values += [min(nodes, TREE_LIMITS["depth"]), min(nodes, TREE_LIMITS["branch"])][len(values) - 1:]
+    budget = TreeBudget(*values)
+    for field, value in budget._asdict().items():
+        if not 1 <= value <= TREE_LIMITS[field]:
+            raise UserError(f"--tree {text!r}: {field} must be in [1, {TREE_LIMITS[field]}]")
+    return budget
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading and validation: config.json and safetensors as the published checkpoints store them, strictly
@@ -2251,6 +2336,14 @@ def run(args, backend):
 
 def reference_generate(params, cfg, prompt, args, on_tokens):
     table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
+    if args.tree:
+        budget = parse_tree_budget(args.tree)
+        if args.draft != "ngram" or table:
+            raise UserError("--tree drafts with the context n-gram lookup: give it with --draft ngram (no table)")
+        return generate_tree_speculative(params, cfg, prompt, args.max_new_tokens,
+                                         Sampling(args.temperature, args.top_k, args.top_p),
+                                         np.random.default_rng(args.seed), ngram_tree, budget, args.rollback,
+                                         on_tokens)
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling, rng = Sampling(args.temperature, args.top_k, args.top_p), np.random.default_rng(args.seed)
     if drafter is None:
@@ -2262,7 +2355,10 @@ def reference_generate(params, cfg, prompt, args, on_tokens):
 REFERENCE = Backend(
     "reference.py", "Qwen3.5 hybrid model in NumPy, with speculative decoding.",
     f"{DRAFT_FORMS} (LAYERS: 0-based layers and ranges, e.g. 1-3,6; docs/self-speculative.md)",
-    add_flags=lambda parser: None,
+    add_flags=lambda parser: parser.add_argument(
+        "--tree", metavar="NODES[:DEPTH[:BRANCH]]",
+        help="verify a draft tree per round instead of a chain (with --draft ngram): at most NODES drafted nodes, "
+             "DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)"),
     context=lambda args: contextlib.nullcontext(), load=lambda args: load_model(args.model),
     prompt_logits=lambda params, cfg, prompt: forward(params, cfg, prompt, empty_state(cfg))[0],
     generate=reference_generate, summary=summary, main_process=lambda: True)

@@ -255,3 +255,41 @@ def test_bad_tree_is_an_error():
     for parents in ([], [0, 0], [-1, 1], [-1, 0, 3, 1]):
         with pytest.raises(R.UserError):
             R.check_tree(parents)
+
+
+def test_ngram_tree_merges_continuations_within_the_budget():
+    context = [1, 2, 3, 1, 2, 4, 1, 2, 5, 6, 1, 2]
+    tokens, parents = R.ngram_tree(context, R.TreeBudget(nodes=4, depth=2, branch=2))
+    assert tokens[0] == 2 and R.check_tree(parents)
+    assert len(tokens) - 1 <= 4 and max(R.tree_depths(parents)) <= 2
+    assert all(len(R.tree_children(parents, i)) <= 2 for i in range(len(tokens)))
+    assert sorted(tokens[c] for c in R.tree_children(parents, 0)) == [4, 5]      # the two latest continuations
+
+
+@pytest.mark.parametrize("rollback", R.ROLLBACK_STRATEGIES)
+def test_greedy_ngram_tree_generation_equals_plain(rollback):
+    cfg, params = model(CHECKPOINT)
+    tokens, stats = R.generate_tree_speculative(params, cfg, PROMPT, 24, R.Sampling(), np.random.default_rng(0),
+                                                R.ngram_tree, R.TreeBudget(8, 4, 3), rollback)
+    assert tokens == plain_greedy(CHECKPOINT) and stats["target_calls"] < 23   # some round accepted a draft
+
+
+def run_cli(*args):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    return subprocess.run([sys.executable, str(ROOT / "reference.py"), "--model", str(ROOT / "weights" / CHECKPOINT),
+                           "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--json", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_tree_gives_plain_greedy_tokens_and_rejects_bad_budgets():
+    import json
+    done = run_cli("--draft", "ngram", "--tree", "8:4:2")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tokens"] == plain_greedy(CHECKPOINT)[:12]
+    for bad in (["--draft", "ngram", "--tree", "x"], ["--draft", "ngram", "--tree", "0"],
+                ["--draft", "ngram", "--tree", "4:2:2:1"], ["--draft", "ngram", "--tree", "4:99"],
+                ["--tree", "4"]):
+        done = run_cli(*bad)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--tree" in done.stderr, bad
