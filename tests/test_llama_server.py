@@ -34,7 +34,11 @@ def test_check_server_fails_as_the_expectations_file_records(gguf, tmp_path, run
         summary, _ = cs.check_server(url, MODEL, dialect=run["dialect"], scenarios_regex=run["scenarios"],
                                      report=tmp_path / "report.json", log=lambda line: None, timeout=300)
     found = {r["scenario"]: sorted({f["rule"] for f in r["failures"]}) for r in summary["scenarios"] if r["failures"]}
-    assert found == {name: finding["rules"] for name, finding in run["findings"].items()}, \
+    # an intermittent finding (it depends on the server's timing) may pass; when it fails, it fails as recorded
+    expected = {name: finding["rules"] for name, finding in run["findings"].items()}
+    intermittent = {name for name, finding in run["findings"].items() if finding.get("intermittent")}
+    assert {name: rules for name, rules in found.items()} == {
+        name: rules for name, rules in expected.items() if name in found or name not in intermittent}, \
         json.dumps([r for r in summary["scenarios"] if r["failures"]], indent=1)[:6000]
     assert all(r["tokens"] > 0 for r in summary["scenarios"])
 
