@@ -61,6 +61,12 @@ def parse_args(argv):
     ap.add_argument("--matvec", choices=matvec.MODES, default=matvec.mode)
     ap.add_argument("--steps-per-sync", type=int, default=16, help="device steps between reads of the results")
     ap.add_argument("--cache-bytes", type=int, default=2**30, help="the prefix cache's size")
+    ap.add_argument("--max-draft-len", type=int, help="pin every step's K (requests with longer drafts are refused): "
+                    "with --step-width and --all-features, one step program compiled for the server's life")
+    ap.add_argument("--step-width", type=int, help="pin every step's T (prompts prefilled in chunks of it); needs "
+                    "--max-draft-len")
+    ap.add_argument("--all-features", action="store_true", help="compile sampling (top-k, top-p) and the MTP "
+                    "head into every step")
     ap.add_argument("--inject-bug", metavar="NAME", default=os.environ.get("JAX_IMPL_HTTP_BUG"),
                     help="serve with a deliberate scheduler bug (jax_impl/injected_bugs.py; the kit's tests show "
                          "check-server catches each); default $JAX_IMPL_HTTP_BUG")
@@ -293,12 +299,16 @@ def serve(args):
         from aiohttp import web
     except ModuleNotFoundError as e:
         raise reference.missing_extra(e, "jax", "python -m jax_impl.http_server") from None
-    from .injected_bugs import server_class
+    from .injected_bugs import server_class  # before batch.py and serving.py are imported: it may mutate them
+    server_class = server_class(args.inject_bug)
+    from . import batch
     matvec.set_mode(args.matvec)
     cfg, params = load(args.model, args.dtype)
     tokenizer = reference.load_tokenizer(args.model)
-    server = server_class(args.inject_bug)(params, cfg, args.slots, args.context, args.rollback,
-                                           args.steps_per_sync, cache_bytes=args.cache_bytes)
+    features = batch.Features(True, True, True, params.get("mtp") is not None) if args.all_features else None
+    server = server_class(params, cfg, args.slots, args.context, args.rollback,
+                          args.steps_per_sync, cache_bytes=args.cache_bytes, max_draft_len=args.max_draft_len,
+                          features=features, step_width=args.step_width)
     engine = Engine(server)
     app = make_app(engine, cfg, tokenizer, Path(args.model).name)
 
