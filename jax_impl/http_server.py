@@ -109,8 +109,9 @@ def token_ids(value, name, vocab):
     return [int(t) for t in value]
 
 
-def completion_request(body, cfg, tokenizer):
-    """A /v1/completions body -> (Server.submit's keyword arguments, stream). Raises BadRequest."""
+def completion_request(body, cfg, tokenizer, context):
+    """A /v1/completions body -> (Server.submit's keyword arguments, stream). Raises BadRequest: also a prompt and
+    max_tokens beyond the server's context (as vLLM refuses them, rather than cutting max_tokens)."""
     if not isinstance(body, dict):
         raise BadRequest("expected a JSON object")
     unknown = sorted(set(body) - KNOWN)
@@ -147,6 +148,9 @@ def completion_request(body, cfg, tokenizer):
                   seed=integer(body, "seed", 0, *reference.SEED_RANGE), draft=draft,
                   draft_len=integer(body, "draft_len", 4, 0, reference.MAX_DRAFT_LEN),
                   stop=tuple(dict.fromkeys(eos + stop)), cache_prompt=body.get("cache_prompt", True))
+    if len(prompt) + kwargs["max_new_tokens"] > context:
+        raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens {kwargs['max_new_tokens']} exceed the "
+                         f"server's context of {context} tokens")
     return kwargs, bool(body.get("stream", False))
 
 
@@ -238,7 +242,7 @@ def make_app(engine, cfg, tokenizer, model_name):
         except (ValueError, UnicodeDecodeError) as e:
             return error_response(web, 400, f"the body is not JSON ({e})")
         try:
-            kwargs, stream = completion_request(body, cfg, tokenizer)
+            kwargs, stream = completion_request(body, cfg, tokenizer, engine.server.context)
         except BadRequest as e:
             return error_response(web, 400, str(e))
         if engine.failure is not None:
