@@ -254,25 +254,32 @@ def empty_state(cfg):
 
 
 def gated_deltanet(x, state, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm,
-                   out_proj):  # (T, D) -> (T, D)
+                   out_proj, parents=None):  # (T, D) -> (T, D); parents: a draft tree's (tree_forward)
     T = x.shape[0]
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv = x @ in_proj_qkv.T                                                     # (T, C)
-    mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :])               # (T, C), (W-1, C)
+    if parents is None:
+        mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :])           # (T, C), (W-1, C)
+    else:                                                                       # windows along ancestor paths
+        mixed, conv = tree_conv1d(qkv, state.conv, conv1d[:, 0, :], parents), None
     mixed = silu(mixed)
     q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
     k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
     v = mixed[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)                              # (T, Hv, Dv)
     beta = sigmoid(x @ in_proj_b.T)                                             # (T, Hv)  write strength
     g = -np.exp(A_log) * softplus(x @ in_proj_a.T + dt_bias)                   # (T, Hv)  log decay, < 0
-    rule = gated_delta_recurrent if T == 1 else gated_delta_chunked            # decode steps, prefill chunks
-    o, S, delta = rule(q, k, v, g, beta, state.S)                              # (T, Hv, Dv)
+    if parents is None:
+        rule = gated_delta_recurrent if T == 1 else gated_delta_chunked        # decode steps, prefill chunks
+        o, S, delta = rule(q, k, v, g, beta, state.S)                          # (T, Hv, Dv)
+    else:                                                                       # a tree leaves no single state
+        (o, delta), S = gated_delta_tree_chunked(q, k, v, g, beta, state.S, parents), None
     z = (x @ in_proj_z.T).reshape(T, Hv, Dv)                                   # (T, Hv, Dv)  output gate
     y = rms_norm_gated(o, z, norm, cfg.rms_norm_eps).reshape(T, Hv * Dv)
-    return y @ out_proj.T, DeltaState(conv, S), Tape(qkv, k, g, delta)
+    return y @ out_proj.T, None if S is None else DeltaState(conv, S), Tape(qkv, k, g, delta)
 
 
-def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):  # (T, D) -> (T, D)
+def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
+                    parents=None):  # (T, D) -> (T, D); parents: a draft tree's (tree_forward)
     T, Hq, Hkv, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     query_gate = (x @ q_proj.T).reshape(T, Hq, 2 * Dh)           # per head: [query | gate]
     q = rms_norm(query_gate[..., :Dh], q_norm, cfg.rms_norm_eps)  # (T, Hq, Dh)
@@ -283,7 +290,10 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     keys, values = np.concatenate([state.k, k]), np.concatenate([state.v, v])   # (S, Hkv, Dh)
     q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
     scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
-    visible = np.arange(len(keys))[None, :] <= positions[:, None]               # (T, S) causal
+    if parents is None:
+        visible = np.arange(len(keys))[None, :] <= positions[:, None]           # (T, S) causal
+    else:                                                                       # the prefix and own ancestors
+        visible = np.concatenate([np.ones((T, len(state.k)), bool), ancestor_mask(parents)], axis=1)
     weights = softmax(np.where(visible, scores, -np.inf))
     out = np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq * Dh)      # (T, Hq*Dh)
     return (out * sigmoid(gate)) @ o_proj.T, AttnState(keys, values)
@@ -309,11 +319,11 @@ def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T,
     return out + sigmoid(x @ shared_expert_gate.T) * mlp(x, **shared_expert)
 
 
-def token_mixer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D) its update, new layer state, Tape or None
+def token_mixer(x, kind, layer, state, positions, cfg, parents=None):  # (T, D) -> (T, D) update, layer state, Tape
     h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
     if kind == "linear_attention":
-        return gated_deltanet(h, state, cfg, **layer["linear_attn"])
-    return (*gated_attention(h, state, positions, cfg, **layer["self_attn"]), None)   # KV truncates: no tape
+        return gated_deltanet(h, state, cfg, **layer["linear_attn"], parents=parents)
+    return (*gated_attention(h, state, positions, cfg, **layer["self_attn"], parents=parents), None)  # KV: no tape
 
 
 def feed_forward(x, layer, cfg):  # (T, D) -> (T, D) its update
@@ -321,22 +331,23 @@ def feed_forward(x, layer, cfg):  # (T, D) -> (T, D) its update
     return sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])
 
 
-def decoder_layer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D), new layer state, Tape or None
-    y, state, tape = token_mixer(x, kind, layer, state, positions, cfg)
+def decoder_layer(x, kind, layer, state, positions, cfg, parents=None):  # (T, D) -> (T, D), layer state, Tape
+    y, state, tape = token_mixer(x, kind, layer, state, positions, cfg, parents)
     x = x + y
     return x + feed_forward(x, layer, cfg), state, tape
 
 
-def forward(params, cfg, tokens, state, taps=None):
+def forward(params, cfg, tokens, state, taps=None, parents=None):
     """(T,) token ids after `state` -> logits (T, V), hidden, new State, per-layer Tapes. hidden: the final-normed
     hidden state (T, D) (what the MTP head reads); with taps (layer indices), the outputs of those layers (the
-    residual stream after each) concatenated in the order given, (T, len(taps) D) (what a DFlash drafter reads)."""
+    residual stream after each) concatenated in the order given, (T, len(taps) D) (what a DFlash drafter reads).
+    With `parents` the tokens are a draft tree's nodes (tree_forward below) and the State's DeltaNet layers are None."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    positions = state.length + np.arange(len(tokens))
+    positions = state.length + (np.arange(len(tokens)) if parents is None else tree_depths(parents))
     x = params["embed_tokens"][tokens]                                          # (T, D)
     layer_states, tapes, tapped = [], [], {}
     for i, (kind, layer, layer_state) in enumerate(zip(cfg.layer_types, params["layers"], state.layers)):
-        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, cfg)
+        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, cfg, parents)
         layer_states.append(layer_state)
         tapes.append(tape)
         if taps and i in taps:
@@ -615,6 +626,206 @@ def run_trace(target, batches):
             else:
                 raise ValueError(f"trace step {b}.{s}: unknown op {op!r}")
             yield b, s, out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tree verification. A round may verify a tree of drafts instead of a chain: N nodes as tokens (N,) and parents
+# (N,), topologically ordered (parents[i] < i), node 0 the root = the last committed token (parents[0] = -1). One
+# target pass computes every node's next-token distribution as if its root-to-node path had been decoded alone:
+#   DeltaNet:  each node's recurrence starts from its parent's state (root: the committed state); the chunked form
+#              replaces the chain's strictly-lower mask by the proper-ancestor mask and the cumulative decay by the
+#              sum along the path. Entries of (I + A)^-1 across branches are zero, so a chain is the chain's form.
+#   conv:      each node's window is its ancestors' inputs, padded above the root by the committed window.
+#   attention: a node sees the whole prefix, its ancestors and itself, at position prefix length + depth.
+# Acceptance walks down from the root and yields the accepted path (root first); only that path is committed, with
+# the two rollback strategies of the chain: per-node states kept at verify time, or the path's tape replayed from
+# the pre-verify state. A chain (parents = -1, 0, 1, ...) is exactly the chain round. docs/trees.md has more.
+
+def check_tree(parents):  # (N,) -> (N,) ints, or UserError
+    parents = [int(p) for p in parents]
+    if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+        raise UserError(f"draft tree parents {parents}: node 0 is the root (-1), every other node's parent precedes it")
+    return parents
+
+
+def tree_depths(parents):  # (N,) -> (N,): the root 0
+    depth = np.zeros(len(parents), np.int64)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
+def tree_path(parents, node):  # -> [0, ..., node]: the root-to-node path
+    path = [node]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def tree_children(parents, node):  # -> the node's children, in node order
+    return [i for i in range(1, len(parents)) if parents[i] == node]
+
+
+def ancestor_mask(parents):  # (N,) -> (N, N) bool: P[i, j] = j is i or an ancestor of i
+    P = np.zeros((len(parents), len(parents)), bool)
+    for i in range(len(parents)):
+        P[i, tree_path(parents, i)] = True
+    return P
+
+
+def tree_conv_windows(window, x, parents, width):  # (W-1, C), (N, C) -> (N, width, C)
+    """The last `width` conv inputs at each node: its path's inputs after the committed window."""
+    return np.stack([np.concatenate([window, x[tree_path(parents, i)]])[-width:] for i in range(len(x))])
+
+
+def tree_conv1d(x, window, weight, parents):  # (N, C), (W-1, C), (C, W) -> (N, C)
+    """causal_conv1d along each node's root-to-node path."""
+    return np.einsum("nwc,cw->nc", tree_conv_windows(window, x, parents, weight.shape[1]), weight)
+
+
+def gated_delta_tree_recurrent(q, k, v, g, beta, initial_state, parents):
+    """The readable definition: gated_delta_step from the parent's state. (N, Hk, Dk) x2, (N, Hv, Dv), (N, Hv) x2,
+    (Hv, Dk, Dv) -> o (N, Hv, Dv), delta (N, Hv, Dv), every node's state (N, Hv, Dk, Dv)."""
+    q, k = value_head_queries_keys(q, k, v.shape[1])
+    states, outputs, deltas = [], [], []
+    for i, parent in enumerate(parents):
+        o, S, delta = gated_delta_step(initial_state if parent < 0 else states[parent], q[i], k[i], v[i], g[i], beta[i])
+        states.append(S)
+        outputs.append(o)
+        deltas.append(delta)
+    return np.stack(outputs), np.stack(deltas), np.stack(states)
+
+
+def gated_delta_tree_chunked(q, k, v, g, beta, initial_state, parents):
+    """gated_delta_chunked over a tree in one chunk, with P the inclusive ancestor mask:
+    prefix_i = sum of g over P[i] (the path's decay) and Gamma_ij = exp(prefix_i - prefix_j) where P[i, j]:
+        A     = diag(beta) K K^T * Gamma on proper ancestors (P minus the diagonal)
+        Delta = (I + A)^-1 diag(beta) (V - diag(e^prefix) K S)
+        O     = diag(e^prefix) Q S + (Q K^T * Gamma) Delta
+    -> o (N, Hv, Dv), delta (N, Hv, Dv). Node states: tree_delta_states."""
+    q, k = value_head_queries_keys(q, k, v.shape[1])
+    Q, Kn, Vn, G, B = [x.swapaxes(0, 1) for x in (q, k, v, g, beta)]                           # (Hv, N, ...)
+    P = ancestor_mask(parents)                                                                 # (N, N)
+    prefix = G @ P.T.astype(G.dtype)                                                           # (Hv, N)
+    Gamma = np.exp(np.where(P, prefix[:, :, None] - prefix[:, None, :], -np.inf))             # (Hv, N, N)
+    A = np.where(P & ~np.eye(len(P), dtype=bool), (B[..., None] * Kn) @ Kn.swapaxes(1, 2) * Gamma, 0)
+    S = initial_state
+    Delta = np.linalg.solve(np.eye(len(P), dtype=A.dtype) + A,
+                            B[..., None] * (Vn - np.exp(prefix)[..., None] * Kn @ S))          # (Hv, N, Dv)
+    O = np.exp(prefix)[..., None] * Q @ S + (Q @ Kn.swapaxes(1, 2) * Gamma) @ Delta           # (Hv, N, Dv)
+    return O.swapaxes(0, 1), Delta.swapaxes(0, 1)
+
+
+def tree_delta_states(S0, tape, parents):  # (Hv, Dk, Dv), Tape of N nodes -> (N, Hv, Dk, Dv)
+    """Every node's state from the tape (the fold): S_i = e^prefix_i S_0 + sum_{j on i's path} e^(prefix_i - prefix_j)
+    k_j delta_j^T; delta_states with the path in place of the prefix."""
+    Hv = tape.g.shape[1]
+    k = np.repeat(tape.k, Hv // tape.k.shape[1], axis=1)                                    # (N, Hv, Dk)
+    P = ancestor_mask(parents)[..., None]                                                   # (N, N, 1)
+    prefix = (P * tape.g[None]).sum(axis=1)                                                 # (N, Hv)
+    decay = np.exp(np.where(P, prefix[:, None] - prefix[None, :], -np.inf))                # (N, N, Hv)
+    return np.exp(prefix)[..., None, None] * S0 + np.einsum("ijh,jhk,jhv->ihkv", decay, k, tape.delta)
+
+
+def tree_forward(params, cfg, tokens, parents, state):
+    """One pass over a draft tree after `state` -> logits (N, V), hidden (N, D), the State (attention: the prefix and
+    every node's KV in node order; DeltaNet: None) and per-layer Tapes (one row per node)."""
+    return forward(params, cfg, tokens, state, parents=check_tree(parents))
+
+
+class VerifiedTree(NamedTuple):
+    """A tree's verify pass waiting for its commit (Verified's counterpart)."""
+    before: State
+    after: State
+    kept: list           # per layer: KeptStates per node (per-position) or the Tape (replay); None for attention
+    rollback: str
+    parents: list
+
+
+def keep_per_node(before, tapes, parents):
+    """Per-position strategy over a tree: every node's conv window and state (None for attention layers)."""
+    return [None if tape is None else KeptStates(tree_conv_windows(layer.conv, tape.qkv, parents, len(layer.conv)),
+                                                 tree_delta_states(layer.S, tape, parents))
+            for layer, tape in zip(before.layers, tapes)]
+
+
+def verify_tree(params, cfg, state, tokens, parents, rollback):  # (N,), (N,) -> logits (N, V), hidden, VerifiedTree
+    logits, hidden, after, tapes = tree_forward(params, cfg, tokens, parents, state)
+    kept = keep_per_node(state, tapes, parents) if rollback == "per-position" else tapes
+    return logits, hidden, VerifiedTree(state, after, kept, rollback, list(parents))
+
+
+def commit_tree(verified, path):  # VerifiedTree, accepted path [0, ..., L] -> State after consuming the path
+    """Keep the path: attention keeps the prefix and the path's KV rows; a DeltaNet layer takes the last accepted
+    node's kept state (per-position; index by the node, not by the path length) or replays the path's tape rows."""
+    before, n = verified.before, len(path)
+    rows, layers = before.length + np.asarray(path), []
+    for b, a, kept in zip(before.layers, verified.after.layers, verified.kept):
+        if kept is None:
+            layers.append(AttnState(np.concatenate([a.k[:before.length], a.k[rows]]),
+                                    np.concatenate([a.v[:before.length], a.v[rows]])))
+        elif verified.rollback == "per-position":
+            layers.append(DeltaState(kept.conv[path[-1]], kept.S[path[-1]]))
+        else:
+            tape = Tape(*(x[path] for x in kept))
+            layers.append(DeltaState(conv_window(b.conv, tape.qkv, n), replay(b.S, tape, n)))
+    return State(tuple(layers), before.length + n)
+
+
+def accept_tree_greedy(tokens, parents, logits):  # (N,), (N,), (N, V) -> (accepted path, next token)
+    """From the root, move to the first child carrying the target's argmax while there is one."""
+    path = [0]
+    while True:
+        target = int(logits[path[-1]].argmax())
+        child = next((c for c in tree_children(parents, path[-1]) if tokens[c] == target), None)
+        if child is None:
+            return path, target
+        path.append(child)
+
+
+def accept_tree_speculative(tokens, parents, q, p, u):  # q (N-1, V), p (N, V), u (N,) -> (accepted path, next token)
+    """Multi-draft speculative sampling (recursive rejection over siblings; SpecInfer, Miao et al. 2023): at a node
+    with distribution p', try its children in order: child c (token x drawn from q[c-1]) is accepted with chance
+    min(1, p'(x) / q[c-1](x)), uniform u[c-1]; a rejection replaces p' by normalize(max(0, p' - q[c-1])) for the next
+    sibling. When no child is accepted the next token is drawn from p' with u[N-1]. Exact when siblings are drawn
+    independently from their q (one-hot q: deterministic drafts such as top-k, then p' is p with the tried tokens
+    removed). On a chain it is accept_speculative, to the bit."""
+    path = [0]
+    while True:
+        target = p[path[-1]]
+        for j, c in enumerate(tree_children(parents, path[-1])):
+            if j:                                     # the previous sibling's residual, normalised
+                target = target / target.sum()
+            if u[c - 1] < acceptance(target[tokens[c]], q[c - 1, tokens[c]]):
+                path.append(c)
+                break
+            target = residual(target, q[c - 1])
+        else:
+            return path, sample(target, u[len(tokens) - 1])
+
+
+def tree_outcomes(tokens, parents, q, p):  # (N,), (N,), (N-1, V), (N, V) -> (N, V)
+    """accept_tree_speculative's outcome over independent uniforms, in closed form: entry [L, t] is the chance that
+    the accepted path ends at node L and t is drawn next (round_outcomes' rows, indexed by the last accepted node)."""
+    reach, rows = np.zeros(len(tokens)), [None] * len(tokens)
+    reach[0] = 1.0
+    for node in range(len(tokens)):
+        target, stay = p[node], reach[node]
+        for j, c in enumerate(tree_children(parents, node)):
+            if j:
+                target = target / target.sum()
+            kept = acceptance(target[tokens[c]], q[c - 1, tokens[c]])
+            reach[c] = stay * kept
+            stay *= 1 - kept
+            target = residual(target, q[c - 1])
+        rows[node] = stay * target / target.sum()
+    return np.stack(rows)
+
+
+def accept_tree(tokens, parents, q, logits, sampling, u):  # -> (accepted path, the target's next token)
+    if sampling.temperature == 0:
+        return accept_tree_greedy(tokens, parents, logits)
+    return accept_tree_speculative(tokens, parents, q, probabilities(logits, sampling), u)
 
 
 # Drafters. A drafter is a pure function over its own explicit state:
@@ -949,13 +1160,14 @@ def on_vocabulary(token, p, shortlist, V):  # a draw among S shortlist ids, p (S
 # ----------------------------------------------------------------------------------------------------------------
 # DFlash block drafter (z-lab/dflash; docs/dflash.md): a few decoder layers of its own, no embedding or head of its
 # own (the target's are used), conditioned on the target's features: the outputs of the target layers
-# target_layer_ids, concatenated, projected by fc and normed. Every drafter layer attends, without a causal mask,
-# from the block [last committed token, MASK x K] to the context features' keys and values (its own k_proj and
-# v_proj applied to the features, cached) followed by the block's. One drafter pass proposes all K drafts: the
-# logits of the K mask slots through the target's lm_head. After each round the cache keeps the context only, up
-# to the last committed token (the block's keys and values are dropped: the crop); the features of the positions
-# the round verified and kept are appended at the next propose. The drafter is a Qwen3 model: plain RMSNorm
-# weights (no +1), q/k norms, full RoPE, no output gate.
+# target_layer_ids, concatenated, projected by fc and normed. Every drafter layer attends from the block [last
+# committed token, MASK x K] to the context features' keys and values (its own k_proj and v_proj applied to the
+# features, cached) followed by the block's; a full-attention layer without a mask, a sliding one (the published
+# Qwen3.5 drafters have them) causally within its window, as z-lab reads its config (dflash_visible). One drafter
+# pass proposes all K drafts: the logits of the K mask slots through the target's lm_head. After each round the
+# cache keeps the context only, up to the last committed token (the block's keys and values are dropped: the
+# crop); the features of the positions the round verified and kept are appended at the next propose. The drafter
+# is a Qwen3 model: plain RMSNorm weights (no +1), q/k norms, full RoPE, no output gate.
 
 @dataclass(frozen=True)
 class DFlashConfig:
@@ -969,6 +1181,23 @@ class DFlashConfig:
     target_layer_ids: tuple      # the target layers whose outputs are the features, in this order
     mask_token_id: int           # fills the block's slots after the first
     block_size: int              # the block length it was trained for: 1 + the drafts per round it expects
+    layer_types: tuple = ()      # per drafter layer "full_attention" (default) or "sliding_attention"
+    sliding_window: int = None   # a sliding layer's keys: positions within this distance of the query's
+    is_causal: bool = None       # None: as z-lab reads it, sliding layers causal, full ones not
+
+
+def dflash_visible(dcfg, i, queries, keys):  # layer i, positions (B,), (S + B,) -> (B, S + B) the keys each sees
+    """No mask in a full-attention layer (the DFlash block is bidirectional). z-lab's mask for the others: causal
+    where the layer is (sliding layers, unless is_causal says otherwise), within the window where it has one."""
+    sliding = i < len(dcfg.layer_types) and dcfg.layer_types[i] == "sliding_attention"
+    causal = sliding if dcfg.is_causal is None else dcfg.is_causal
+    query, key = queries[:, None], keys[None, :]
+    visible = np.ones((len(queries), len(keys)), bool)
+    if causal:
+        visible &= key <= query
+    if sliding:
+        visible &= (query - key < dcfg.sliding_window) & (causal | (key - query < dcfg.sliding_window))
+    return visible
 
 
 class DFlashState(NamedTuple):
@@ -1003,16 +1232,17 @@ def dflash_extend(dparams, dcfg, draft_state, tapped):  # DFlashState, (n, len(t
     return DFlashState(tuple(layers), draft_state.length + len(features))
 
 
-def dflash_attention(h, positions, cache, dcfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):
+def dflash_attention(h, positions, cache, visible, dcfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):
     """(B, D) block -> its update (B, D) and the layer's cache with the block's keys and values appended: the
-    block's queries over [cached context; block] keys, no mask (every slot sees all of both)."""
+    block's queries over [cached context; block] keys, `visible` (B, S + B) (dflash_visible)."""
     B, Hq, Hkv, Dh = len(h), dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
     q = rope(plain_rms_norm((h @ q_proj.T).reshape(B, Hq, Dh), q_norm, dcfg.rms_norm_eps), positions,
              dcfg.rope_theta, Dh)
     k, v = dflash_keys_values(h, positions, dcfg, k_proj, v_proj, k_norm)
     keys, values = np.concatenate([cache.k, k]), np.concatenate([cache.v, v])          # (S + B, Hkv, Dh)
     q = q.reshape(B, Hkv, Hq // Hkv, Dh)
-    weights = softmax(np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5))   # (Hkv, G, B, S + B)
+    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)              # (Hkv, G, B, S + B)
+    weights = softmax(np.where(visible, scores, -np.inf))
     out = np.einsum("kgts,skd->tkgd", weights, values).reshape(B, Hq * Dh) @ o_proj.T
     return out, AttnState(keys, values)
 
@@ -1026,9 +1256,10 @@ def dflash_block(params, dparams, dcfg, draft_state, block):  # (B,) tokens -> l
     and the cache with the block's keys and values appended (what dflash_crop takes back out)."""
     positions = draft_state.length + np.arange(len(block))
     x, layers = params["embed_tokens"][np.asarray(block)], []                           # (B, D)
-    for layer, cache in zip(dparams["layers"], draft_state.layers):
+    for i, (layer, cache) in enumerate(zip(dparams["layers"], draft_state.layers)):
+        visible = dflash_visible(dcfg, i, positions, np.concatenate([np.arange(len(cache.k)), positions]))
         update, cache = dflash_attention(plain_rms_norm(x, layer["input_layernorm"], dcfg.rms_norm_eps), positions,
-                                         cache, dcfg, **layer["self_attn"])
+                                         cache, visible, dcfg, **layer["self_attn"])
         x = x + update
         x = x + mlp(plain_rms_norm(x, layer["post_attention_layernorm"], dcfg.rms_norm_eps), **layer["mlp"])
         layers.append(cache)
@@ -1129,6 +1360,91 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
         tokens += r.committed
         on_tokens(r.committed)
     return tokens, stats.result(len(tokens))
+
+# Tree drafting and generation (docs/trees.md). A tree budget bounds a round's drafted nodes (the root excluded),
+# their depth and each node's children.
+
+class TreeBudget(NamedTuple):
+    nodes: int
+    depth: int
+    branch: int
+
+
+def add_path(tree_tokens, parents, continuation, budget):  # grow the trie [root] + nodes along a continuation
+    node, depth = 0, 0
+    for token in continuation[:budget.depth]:
+        children = tree_children(parents, node)
+        match = next((c for c in children if tree_tokens[c] == token), None)
+        if match is None:
+            if len(children) >= budget.branch or len(tree_tokens) - 1 >= budget.nodes:
+                return
+            tree_tokens.append(int(token))
+            parents.append(node)
+            match = len(tree_tokens) - 1
+        node, depth = match, depth + 1
+
+
+def ngram_tree(context, budget, max_ngram=3):  # -> tokens (N,) with the root context[-1], parents (N,)
+    """Several continuations from the context: for the longest suffix (<= max_ngram tokens) seen before, what followed
+    each earlier occurrence, latest first, merged into a trie within the budget. One-hot q: the drafts are
+    deterministic."""
+    tokens, parents = [int(context[-1])], [-1]
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        suffix = list(context[-n:])
+        starts = [s for s in range(len(context) - n - 1, -1, -1) if list(context[s:s + n]) == suffix]
+        for start in starts:
+            add_path(tokens, parents, list(context[start + n:start + n + budget.depth]), budget)
+        if starts:
+            break
+    return tokens, parents
+
+
+def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, propose_tree, budget,
+                              rollback="replay", on_tokens=lambda new: None):
+    """Speculative decoding with a draft tree per round: propose_tree(context, budget) -> tokens, parents (root =
+    context[-1]) with one-hot q. -> the tokens and generate's stats."""
+    limit, tokens, calls, start = token_limit(cfg, prompt, max_new_tokens), [], 0, time.perf_counter()
+    prefill_done = start
+    if limit > 0:
+        logits, _, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+        prefill_done = time.perf_counter()
+        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
+        on_tokens(tokens[-1:])
+    while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
+        room = budget._replace(depth=min(budget.depth, limit - len(tokens) - 1))   # room for the target's token
+        tree, parents = propose_tree(list(prompt) + tokens, room)
+        logits, _, verified = verify_tree(params, cfg, state, tree, parents, rollback)
+        u = rng.random(len(tree)) if sampling.temperature else None
+        path, token = accept_tree(tree, parents, one_hot(tree[1:], cfg.vocab_size), logits, sampling, u)
+        committed = until_stop([tree[j] for j in path[1:]] + [token], cfg.eos_token_id)
+        state = commit_tree(verified, path[:len(committed)])
+        tokens += committed
+        on_tokens(committed)
+        calls += 1
+    end = time.perf_counter()
+    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
+                    "tokens_per_call": (len(tokens) - 1) / calls if calls else 0.0, "tree": budget._asdict(),
+                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+
+
+TREE_LIMITS = {"nodes": 64, "depth": 16, "branch": 8}
+
+
+def parse_tree_budget(text):  # "NODES[:DEPTH[:BRANCH]]" -> TreeBudget; depth defaults to nodes, branch to nodes
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3:
+        raise UserError(f"--tree {text!r}: expected NODES[:DEPTH[:BRANCH]], integers")
+    nodes = values[0]
+    values += [min(nodes, TREE_LIMITS["depth"]), min(nodes, TREE_LIMITS["branch"])][len(values) - 1:]
+    budget = TreeBudget(*values)
+    for field, value in budget._asdict().items():
+        if not 1 <= value <= TREE_LIMITS[field]:
+            raise UserError(f"--tree {text!r}: {field} must be in [1, {TREE_LIMITS[field]}]")
+    return budget
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1569,7 +1885,7 @@ def load_model(model_dir):
 # holding fc, hidden_norm, norm and layers.N.* without a `model.` prefix, and no embedding or lm_head.
 
 DFLASH_UNSUPPORTED = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
-                      "partial_rotary_factor": 1.0, "attention_bias": False, "is_causal": False}
+                      "partial_rotary_factor": 1.0, "attention_bias": False}
 
 
 def dflash_config_from_dict(raw, cfg):  # the drafter's config.json, the target's Config -> DFlashConfig
@@ -1601,8 +1917,15 @@ def dflash_config_from_dict(raw, cfg):  # the drafter's config.json, the target'
         raise UserError(f"DFlash config: RoPE scaling is not supported (only rope_type 'default')")
     if get("hidden_act", "silu", str) != "silu":
         raise UserError(f"DFlash config: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
-    if any(kind != "full_attention" for kind in get("layer_types", [], list)):
-        raise UserError("DFlash config: sliding-window layers are not supported (only full_attention)")
+    layer_types = get("layer_types", [], list)
+    if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+        raise UserError(f"DFlash config: layer_types={layer_types!r:.100} must be full_attention or sliding_attention")
+    window = get("sliding_window") if "sliding_attention" in layer_types else None
+    if window is not None and window < 1:
+        raise UserError(f"DFlash config: sliding_window={window} must be >= 1")
+    is_causal = raw.get("is_causal")
+    if not isinstance(is_causal, (bool, type(None))):
+        raise UserError(f"DFlash config: is_causal={is_causal!r} must be true, false or null")
     for key, target_value in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size),
                               ("num_target_layers", cfg.num_hidden_layers)):
         if get(key, target_value) != target_value:
@@ -1631,7 +1954,11 @@ def dflash_config_from_dict(raw, cfg):  # the drafter's config.json, the target'
         raise UserError(f"DFlash config: mask_token_id={mask} is outside the vocabulary [0, {cfg.vocab_size})")
     if not 2 <= block <= MAX_DRAFT_LEN + 1:
         raise UserError(f"DFlash config: block_size={block} must be in [2, {MAX_DRAFT_LEN + 1}]")
-    return DFlashConfig(**fields, target_layer_ids=tuple(taps), mask_token_id=mask, block_size=block)
+    if layer_types and len(layer_types) != fields["num_hidden_layers"]:
+        raise UserError(f"DFlash config: {len(layer_types)} layer_types for num_hidden_layers="
+                        f"{fields['num_hidden_layers']}")
+    return DFlashConfig(**fields, target_layer_ids=tuple(taps), mask_token_id=mask, block_size=block,
+                        layer_types=tuple(layer_types), sliding_window=window, is_causal=is_causal)
 
 
 def dflash_shapes(cfg, dcfg):  # -> {tensor name: shape} of a DFlash checkpoint for this target
@@ -2015,6 +2342,14 @@ def run(args, backend):
 
 def reference_generate(params, cfg, prompt, args, on_tokens):
     table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
+    if args.tree:
+        budget = parse_tree_budget(args.tree)
+        if args.draft != "ngram" or table:
+            raise UserError("--tree drafts with the context n-gram lookup: give it with --draft ngram (no table)")
+        return generate_tree_speculative(params, cfg, prompt, args.max_new_tokens,
+                                         Sampling(args.temperature, args.top_k, args.top_p),
+                                         np.random.default_rng(args.seed), ngram_tree, budget, args.rollback,
+                                         on_tokens)
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling, rng = Sampling(args.temperature, args.top_k, args.top_p), np.random.default_rng(args.seed)
     if drafter is None:
@@ -2026,7 +2361,10 @@ def reference_generate(params, cfg, prompt, args, on_tokens):
 REFERENCE = Backend(
     "reference.py", "Qwen3.5 hybrid model in NumPy, with speculative decoding.",
     f"{DRAFT_FORMS} (LAYERS: 0-based layers and ranges, e.g. 1-3,6; docs/self-speculative.md)",
-    add_flags=lambda parser: None,
+    add_flags=lambda parser: parser.add_argument(
+        "--tree", metavar="NODES[:DEPTH[:BRANCH]]",
+        help="verify a draft tree per round instead of a chain (with --draft ngram): at most NODES drafted nodes, "
+             "DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)"),
     context=lambda args: contextlib.nullcontext(), load=lambda args: load_model(args.model),
     prompt_logits=lambda params, cfg, prompt: forward(params, cfg, prompt, empty_state(cfg))[0],
     generate=reference_generate, summary=summary, main_process=lambda: True)

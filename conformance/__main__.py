@@ -1,4 +1,4 @@
-"""Command line: list, run, sample, serve, check-server, where, generate, checkpoint (see conformance/__init__.py)."""
+"""Command line: list, run, sample, serve, check-server, where, generate, checkpoint, kernels (see conformance/__init__.py)."""
 
 import argparse
 import re
@@ -83,6 +83,12 @@ def parse_args(argv):
     ckpt = sub.add_parser("checkpoint", help="write a random checkpoint with a published model's exact layer "
                           "geometry at reduced depth (conformance/published.py)")
     published.add_arguments(ckpt)
+    kern = sub.add_parser("kernels", help="the kernel pack: op-level cases at the published layer geometry against "
+                          "an engine's kernel ops (conformance/kernels.py)")
+    kern.add_argument("--engine", required=True, help="numpy, numpy:HVK, jax, transformers, or package.module:Class "
+                      "(a conformance.kernels.KernelEngine subclass)")
+    kern.add_argument("--cases", type=regex, metavar="REGEX", help="only case names matching this regular expression")
+    kern.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="input dtype (states fp32)")
     args = ap.parse_args(argv)
     if getattr(args, "timeout", None) is not None and not args.timeout > 0:
         ap.error(f"--timeout {args.timeout}: must be > 0")
@@ -145,6 +151,12 @@ def main(argv=None):
             return generate(args)
         if args.command == "checkpoint":
             return published.checkpoint_command(args)
+        if args.command == "kernels":
+            from .kernels import kernel_engine, run_pack
+            results = run_pack(kernel_engine(args.engine), args.cases, args.dtype)
+            counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+            print(", ".join(f"{n} {s}" for s, n in counts.items()))
+            return 1 if counts["FAIL"] else 0
         if args.command == "check-server":
             from .check_server import ServerError, check_server
             try:

@@ -121,12 +121,13 @@ def target_layer_outputs(params, cfg, tokens):  # -> [(T, D) after each target l
     return outputs
 
 
-def written_out_logits(committed, k, taps=None):
+def written_out_logits(committed, k, taps=None, dcfg=None):
     """From scratch, no cache: the target's outputs after layers target_layer_ids at every committed position but
     the last, concatenated, fc, hidden_norm; the block [last committed, MASK x k] at positions P..P+k (P = the last
     committed token's position); each drafter layer: queries from the normed block, keys and values from [features;
     normed block], k_norm and RoPE on every key, full attention; the logits of the k mask slots."""
-    cfg, params, dcfg, dp = tiny()
+    cfg, params, tiny_dcfg, dp = tiny()
+    dcfg = dcfg or tiny_dcfg
     P, eps = len(committed) - 1, dcfg.rms_norm_eps
     outputs = target_layer_outputs(params, cfg, committed[:-1])
     features = norm(np.concatenate([outputs[i] for i in taps or dcfg.target_layer_ids], -1) @ dp["fc"].T,
@@ -134,8 +135,12 @@ def written_out_logits(committed, k, taps=None):
     x = params["embed_tokens"][[committed[-1]] + [dcfg.mask_token_id] * k]
     H, G, Dh = dcfg.num_key_value_heads, dcfg.num_attention_heads // dcfg.num_key_value_heads, dcfg.head_dim
     block_positions, all_positions = P + np.arange(k + 1), np.arange(P + k + 1)
-    for layer in dp["layers"]:
+    for i, layer in enumerate(dp["layers"]):
         a, h = layer["self_attn"], norm(x, layer["input_layernorm"], eps)
+        hidden_from = np.zeros((k + 1, P + k + 1), bool)     # a sliding layer: causal, and the window
+        if dcfg.layer_types and dcfg.layer_types[i] == "sliding_attention":
+            for slot, position in enumerate(block_positions):
+                hidden_from[slot] = (all_positions > position) | (position - all_positions >= dcfg.sliding_window)
         q = R.rope(norm((h @ a["q_proj"].T).reshape(k + 1, H * G, Dh), a["q_norm"], eps), block_positions,
                    dcfg.rope_theta, Dh)
         kv_in = np.concatenate([features, h])
@@ -145,7 +150,7 @@ def written_out_logits(committed, k, taps=None):
         out = np.zeros((k + 1, H * G, Dh))
         for head in range(H * G):
             scores = keys[:, head // G] @ q[:, head].T / np.sqrt(Dh)              # (S, B)
-            out[:, head] = R.softmax(scores.T) @ values[:, head // G]
+            out[:, head] = R.softmax(np.where(hidden_from, -np.inf, scores.T)) @ values[:, head // G]
         x = x + out.reshape(k + 1, -1) @ a["o_proj"].T
         m = layer["mlp"]
         g = norm(x, layer["post_attention_layernorm"], eps)
@@ -174,6 +179,20 @@ def block_distributions_over_rounds(d):
 def test_block_logits_over_rounds_with_partial_accepts_are_the_written_out_ones():
     for committed, k, q in block_distributions_over_rounds(drafter("dflash-sampled", np.float64)):
         np.testing.assert_allclose(q, R.softmax(written_out_logits(committed, k)), atol=1e-9)
+
+
+def test_a_sliding_layer_is_causal_within_its_window():
+    """The published Qwen3.5 drafters' first layers: sliding_attention with no is_causal, which z-lab's
+    dflash/model.py runs causally and within sliding_window; a window of 6 cuts into the context here."""
+    cfg, params, dcfg, dparams = tiny()
+    sliding = R.DFlashConfig(**{**dcfg.__dict__, "layer_types": ("sliding_attention", "full_attention"),
+                                "sliding_window": 6})
+    d = R.dflash_drafter("dflash-sampled", params, cfg, dparams, sliding, sampled=True)
+    for committed, k, q in block_distributions_over_rounds(d):
+        np.testing.assert_allclose(q, R.softmax(written_out_logits(committed, k, dcfg=sliding)), atol=1e-9)
+    worst = max(np.abs(q - R.softmax(written_out_logits(committed, k))).max()
+                for committed, k, q in block_distributions_over_rounds(d))
+    assert worst > 1e-3   # the window and the causal mask matter here
 
 
 def mutants(monkeypatch, name):
@@ -251,9 +270,11 @@ def edited(tmp_path, **changes):  # a copy of the tiny drafter with config field
     ({"num_hidden_layers": 3}, r"tensor layers.2.input_layernorm.weight is missing"),
     ({"num_key_value_heads": 3}, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ({"architectures": ["DFlash2DraftModel"]}, r"DFlash2DraftModel .* is not supported"),
-    ({"layer_types": ["sliding_attention", "full_attention"]}, r"sliding-window layers are not supported"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, r"required field 'sliding_window' is missing"),
+    ({"layer_types": ["chunked_attention", "full_attention"]}, r"must be full_attention or sliding_attention"),
+    ({"layer_types": ["full_attention"]}, r"1 layer_types for num_hidden_layers=2"),
     ({"output_multiplier": 0.5}, r"output_multiplier=0.5 is not supported"),
-    ({"is_causal": True}, r"is_causal=True is not supported"),
+    ({"is_causal": "yes"}, r"is_causal='yes' must be true, false or null"),
 ])
 def test_bad_drafter_checkpoints_are_one_line_and_exit_2(changes, message, tmp_path, capsys):
     path = edited(tmp_path, **changes)
@@ -295,3 +316,25 @@ def test_the_tiny_drafter_is_what_its_script_writes(tmp_path):
     from weights.make_tiny_dflash import digest, write
     write(tmp_path)
     assert digest(tmp_path) == digest(DIR)
+
+
+def test_a_published_qwen35_drafters_config_loads_with_its_tensor_count_and_size():
+    """The config of z-lab's Qwen3.5-4B drafter as ports quote it, against the Qwen3.5-4B target: six Qwen3 layers
+    (five sliding), eight taps, block 16; the ports' manifest gives 69 tensors and 634,425,856 parameters."""
+    from conformance.published import published_config
+    cfg = R.config_from_dict(published_config("Qwen3.5-4B", 32, vocab=248320))
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 2560,
+           "intermediate_size": 9216,
+           "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "vocab_size": 248320, "num_target_layers": 32, "rms_norm_eps": 1e-6, "attention_bias": False,
+           "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 4096,
+           "use_sliding_window": True, "tie_word_embeddings": True, "pad_token_id": None,
+           "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
+           "dflash_config": {"block_size": 16, "mask_token_id": 248077,
+                             "target_layer_ids": [1, 5, 9, 13, 17, 21, 25, 29]}}
+    dcfg = R.dflash_config_from_dict(raw, cfg)
+    assert (dcfg.block_size, dcfg.mask_token_id, dcfg.sliding_window, dcfg.rope_theta) == (16, 248077, 4096, 1e7)
+    assert dcfg.target_layer_ids == (1, 5, 9, 13, 17, 21, 25, 29) and dcfg.is_causal is None
+    shapes = R.dflash_shapes(cfg, dcfg)
+    assert shapes["fc.weight"] == (2560, 8 * 2560)
+    assert len(shapes) == 69 and sum(int(np.prod(s)) for s in shapes.values()) == 634_425_856
