@@ -254,25 +254,32 @@ def empty_state(cfg):
 
 
 def gated_deltanet(x, state, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm,
-                   out_proj):  # (T, D) -> (T, D)
+                   out_proj, parents=None):  # (T, D) -> (T, D); parents: a draft tree's (tree_forward)
     T = x.shape[0]
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv = x @ in_proj_qkv.T                                                     # (T, C)
-    mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :])               # (T, C), (W-1, C)
+    if parents is None:
+        mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :])           # (T, C), (W-1, C)
+    else:                                                                       # windows along ancestor paths
+        mixed, conv = tree_conv1d(qkv, state.conv, conv1d[:, 0, :], parents), None
     mixed = silu(mixed)
     q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
     k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
     v = mixed[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)                              # (T, Hv, Dv)
     beta = sigmoid(x @ in_proj_b.T)                                             # (T, Hv)  write strength
     g = -np.exp(A_log) * softplus(x @ in_proj_a.T + dt_bias)                   # (T, Hv)  log decay, < 0
-    rule = gated_delta_recurrent if T == 1 else gated_delta_chunked            # decode steps, prefill chunks
-    o, S, delta = rule(q, k, v, g, beta, state.S)                              # (T, Hv, Dv)
+    if parents is None:
+        rule = gated_delta_recurrent if T == 1 else gated_delta_chunked        # decode steps, prefill chunks
+        o, S, delta = rule(q, k, v, g, beta, state.S)                          # (T, Hv, Dv)
+    else:                                                                       # a tree leaves no single state
+        (o, delta), S = gated_delta_tree_chunked(q, k, v, g, beta, state.S, parents), None
     z = (x @ in_proj_z.T).reshape(T, Hv, Dv)                                   # (T, Hv, Dv)  output gate
     y = rms_norm_gated(o, z, norm, cfg.rms_norm_eps).reshape(T, Hv * Dv)
-    return y @ out_proj.T, DeltaState(conv, S), Tape(qkv, k, g, delta)
+    return y @ out_proj.T, None if S is None else DeltaState(conv, S), Tape(qkv, k, g, delta)
 
 
-def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):  # (T, D) -> (T, D)
+def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
+                    parents=None):  # (T, D) -> (T, D); parents: a draft tree's (tree_forward)
     T, Hq, Hkv, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     query_gate = (x @ q_proj.T).reshape(T, Hq, 2 * Dh)           # per head: [query | gate]
     q = rms_norm(query_gate[..., :Dh], q_norm, cfg.rms_norm_eps)  # (T, Hq, Dh)
@@ -283,7 +290,10 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     keys, values = np.concatenate([state.k, k]), np.concatenate([state.v, v])   # (S, Hkv, Dh)
     q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
     scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
-    visible = np.arange(len(keys))[None, :] <= positions[:, None]               # (T, S) causal
+    if parents is None:
+        visible = np.arange(len(keys))[None, :] <= positions[:, None]           # (T, S) causal
+    else:                                                                       # the prefix and own ancestors
+        visible = np.concatenate([np.ones((T, len(state.k)), bool), ancestor_mask(parents)], axis=1)
     weights = softmax(np.where(visible, scores, -np.inf))
     out = np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq * Dh)      # (T, Hq*Dh)
     return (out * sigmoid(gate)) @ o_proj.T, AttnState(keys, values)
@@ -309,11 +319,11 @@ def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T,
     return out + sigmoid(x @ shared_expert_gate.T) * mlp(x, **shared_expert)
 
 
-def token_mixer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D) its update, new layer state, Tape or None
+def token_mixer(x, kind, layer, state, positions, cfg, parents=None):  # (T, D) -> (T, D) update, layer state, Tape
     h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
     if kind == "linear_attention":
-        return gated_deltanet(h, state, cfg, **layer["linear_attn"])
-    return (*gated_attention(h, state, positions, cfg, **layer["self_attn"]), None)   # KV truncates: no tape
+        return gated_deltanet(h, state, cfg, **layer["linear_attn"], parents=parents)
+    return (*gated_attention(h, state, positions, cfg, **layer["self_attn"], parents=parents), None)  # KV: no tape
 
 
 def feed_forward(x, layer, cfg):  # (T, D) -> (T, D) its update
@@ -321,24 +331,30 @@ def feed_forward(x, layer, cfg):  # (T, D) -> (T, D) its update
     return sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])
 
 
-def decoder_layer(x, kind, layer, state, positions, cfg):  # (T, D) -> (T, D), new layer state, Tape or None
-    y, state, tape = token_mixer(x, kind, layer, state, positions, cfg)
+def decoder_layer(x, kind, layer, state, positions, cfg, parents=None):  # (T, D) -> (T, D), layer state, Tape
+    y, state, tape = token_mixer(x, kind, layer, state, positions, cfg, parents)
     x = x + y
     return x + feed_forward(x, layer, cfg), state, tape
 
 
-def forward(params, cfg, tokens, state):
-    """(T,) token ids after `state` -> logits (T, V), final-normed hidden (T, D), new State, per-layer Tapes."""
+def forward(params, cfg, tokens, state, taps=None, parents=None):
+    """(T,) token ids after `state` -> logits (T, V), hidden, new State, per-layer Tapes. hidden: the final-normed
+    hidden state (T, D) (what the MTP head reads); with taps (layer indices), the outputs of those layers (the
+    residual stream after each) concatenated in the order given, (T, len(taps) D) (what a DFlash drafter reads).
+    With `parents` the tokens are a draft tree's nodes (tree_forward below) and the State's DeltaNet layers are None."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    positions = state.length + np.arange(len(tokens))
+    positions = state.length + (np.arange(len(tokens)) if parents is None else tree_depths(parents))
     x = params["embed_tokens"][tokens]                                          # (T, D)
-    layer_states, tapes = [], []
-    for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
-        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, cfg)
+    layer_states, tapes, tapped = [], [], {}
+    for i, (kind, layer, layer_state) in enumerate(zip(cfg.layer_types, params["layers"], state.layers)):
+        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, cfg, parents)
         layer_states.append(layer_state)
         tapes.append(tape)
+        if taps and i in taps:
+            tapped[i] = x
     hidden = rms_norm(x, params["norm"], cfg.rms_norm_eps)                     # (T, D)
-    return hidden @ params["lm_head"].T, hidden, State(tuple(layer_states), state.length + len(tokens)), tapes
+    features = hidden if taps is None else np.concatenate([tapped[i] for i in taps], axis=-1)
+    return hidden @ params["lm_head"].T, features, State(tuple(layer_states), state.length + len(tokens)), tapes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -463,9 +479,10 @@ class Verified(NamedTuple):
     rollback: str
 
 
-def verify(params, cfg, state, tokens, rollback):  # (K+1,) -> logits (K+1, V), hidden (K+1, D), Verified
-    """One target pass over [last committed token, K drafts], keeping what `rollback` needs to commit any prefix."""
-    logits, hidden, after, tapes = forward(params, cfg, tokens, state)
+def verify(params, cfg, state, tokens, rollback, taps=None):  # (K+1,) -> logits (K+1, V), hidden, Verified
+    """One target pass over [last committed token, K drafts], keeping what `rollback` needs to commit any prefix.
+    hidden: forward's, (K+1, D) or with taps the tapped layers' outputs (K+1, len(taps) D)."""
+    logits, hidden, after, tapes = forward(params, cfg, tokens, state, taps)
     kept = keep_per_position(state, tapes) if rollback == "per-position" else tapes
     return logits, hidden, Verified(state, after, kept, rollback)
 
@@ -536,6 +553,10 @@ def until_stop(tokens, stop):  # committed tokens end at the first stop (EOS) to
     return tokens[:end]
 
 
+def finished(committed, stop):  # a request is finished when its committed tokens end at a stop token -> 0 or 1
+    return int(bool(committed) and committed[-1] in stop)
+
+
 # A round, and a serving trace of many, run against a Target: the model being decoded as pure functions over its
 # explicit state. reference_target is this file's; the conformance runner wraps an engine under test in one.
 
@@ -547,11 +568,11 @@ class Target(NamedTuple):
     copy: Callable       # state -> a copy that later calls cannot change (a prefix-cache entry)
 
 
-def reference_target(params, cfg, rollback):
+def reference_target(params, cfg, rollback, taps=None):
     def extend(state, tokens):
         logits, _, state, _ = forward(params, cfg, tokens, empty_state(cfg) if state is None else state)
         return logits, state
-    return Target(extend, lambda state, tokens: verify(params, cfg, state, tokens, rollback), commit, accept,
+    return Target(extend, lambda state, tokens: verify(params, cfg, state, tokens, rollback, taps), commit, accept,
                   lambda state: state)   # states are values here: nothing ever changes one
 
 
@@ -578,7 +599,8 @@ def speculative_round(target, state, tokens, q, sampling, u, stop=(), keep=None)
 def run_trace(target, batches):
     """A serving trace (conformance/INTERPRETING.md, section 4): batches of steps on named requests, run in order.
     Requests map to states and prefix-cache keys to copies of them. Yields (batch, step, outputs) after each step:
-    prefill -> the last row's logits; verify (and its commit) -> logits, decisions, state; restore -> state."""
+    prefill -> the last row's logits; verify (and its commit) -> logits, decisions (and whether the request has
+    finished), state; restore -> state."""
     requests, cache = {}, {}
     for b, batch in enumerate(batches):
         for s, step in enumerate(batch):
@@ -593,7 +615,8 @@ def run_trace(target, batches):
                 requests[name] = r.state
                 out.update(logits=r.logits, state=r.state)
                 if r.committed is not None:
-                    out.update(accepted=r.accepted, committed=r.committed)
+                    out.update(accepted=r.accepted, committed=r.committed, finished=finished(r.committed,
+                                                                                           rule.get("stop", ())))
             elif op == "snapshot":
                 cache[step["key"]] = target.copy(requests[name])
             elif op == "restore":             # a new request starting from a prefix-cache entry
@@ -605,10 +628,211 @@ def run_trace(target, batches):
             yield b, s, out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Tree verification. A round may verify a tree of drafts instead of a chain: N nodes as tokens (N,) and parents
+# (N,), topologically ordered (parents[i] < i), node 0 the root = the last committed token (parents[0] = -1). One
+# target pass computes every node's next-token distribution as if its root-to-node path had been decoded alone:
+#   DeltaNet:  each node's recurrence starts from its parent's state (root: the committed state); the chunked form
+#              replaces the chain's strictly-lower mask by the proper-ancestor mask and the cumulative decay by the
+#              sum along the path. Entries of (I + A)^-1 across branches are zero, so a chain is the chain's form.
+#   conv:      each node's window is its ancestors' inputs, padded above the root by the committed window.
+#   attention: a node sees the whole prefix, its ancestors and itself, at position prefix length + depth.
+# Acceptance walks down from the root and yields the accepted path (root first); only that path is committed, with
+# the two rollback strategies of the chain: per-node states kept at verify time, or the path's tape replayed from
+# the pre-verify state. A chain (parents = -1, 0, 1, ...) is exactly the chain round. docs/trees.md has more.
+
+def check_tree(parents):  # (N,) -> (N,) ints, or UserError
+    parents = [int(p) for p in parents]
+    if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+        raise UserError(f"draft tree parents {parents}: node 0 is the root (-1), every other node's parent precedes it")
+    return parents
+
+
+def tree_depths(parents):  # (N,) -> (N,): the root 0
+    depth = np.zeros(len(parents), np.int64)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
+def tree_path(parents, node):  # -> [0, ..., node]: the root-to-node path
+    path = [node]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def tree_children(parents, node):  # -> the node's children, in node order
+    return [i for i in range(1, len(parents)) if parents[i] == node]
+
+
+def ancestor_mask(parents):  # (N,) -> (N, N) bool: P[i, j] = j is i or an ancestor of i
+    P = np.zeros((len(parents), len(parents)), bool)
+    for i in range(len(parents)):
+        P[i, tree_path(parents, i)] = True
+    return P
+
+
+def tree_conv_windows(window, x, parents, width):  # (W-1, C), (N, C) -> (N, width, C)
+    """The last `width` conv inputs at each node: its path's inputs after the committed window."""
+    return np.stack([np.concatenate([window, x[tree_path(parents, i)]])[-width:] for i in range(len(x))])
+
+
+def tree_conv1d(x, window, weight, parents):  # (N, C), (W-1, C), (C, W) -> (N, C)
+    """causal_conv1d along each node's root-to-node path."""
+    return np.einsum("nwc,cw->nc", tree_conv_windows(window, x, parents, weight.shape[1]), weight)
+
+
+def gated_delta_tree_recurrent(q, k, v, g, beta, initial_state, parents):
+    """The readable definition: gated_delta_step from the parent's state. (N, Hk, Dk) x2, (N, Hv, Dv), (N, Hv) x2,
+    (Hv, Dk, Dv) -> o (N, Hv, Dv), delta (N, Hv, Dv), every node's state (N, Hv, Dk, Dv)."""
+    q, k = value_head_queries_keys(q, k, v.shape[1])
+    states, outputs, deltas = [], [], []
+    for i, parent in enumerate(parents):
+        o, S, delta = gated_delta_step(initial_state if parent < 0 else states[parent], q[i], k[i], v[i], g[i], beta[i])
+        states.append(S)
+        outputs.append(o)
+        deltas.append(delta)
+    return np.stack(outputs), np.stack(deltas), np.stack(states)
+
+
+def gated_delta_tree_chunked(q, k, v, g, beta, initial_state, parents):
+    """gated_delta_chunked over a tree in one chunk, with P the inclusive ancestor mask:
+    prefix_i = sum of g over P[i] (the path's decay) and Gamma_ij = exp(prefix_i - prefix_j) where P[i, j]:
+        A     = diag(beta) K K^T * Gamma on proper ancestors (P minus the diagonal)
+        Delta = (I + A)^-1 diag(beta) (V - diag(e^prefix) K S)
+        O     = diag(e^prefix) Q S + (Q K^T * Gamma) Delta
+    -> o (N, Hv, Dv), delta (N, Hv, Dv). Node states: tree_delta_states."""
+    q, k = value_head_queries_keys(q, k, v.shape[1])
+    Q, Kn, Vn, G, B = [x.swapaxes(0, 1) for x in (q, k, v, g, beta)]                           # (Hv, N, ...)
+    P = ancestor_mask(parents)                                                                 # (N, N)
+    prefix = G @ P.T.astype(G.dtype)                                                           # (Hv, N)
+    Gamma = np.exp(np.where(P, prefix[:, :, None] - prefix[:, None, :], -np.inf))             # (Hv, N, N)
+    A = np.where(P & ~np.eye(len(P), dtype=bool), (B[..., None] * Kn) @ Kn.swapaxes(1, 2) * Gamma, 0)
+    S = initial_state
+    Delta = np.linalg.solve(np.eye(len(P), dtype=A.dtype) + A,
+                            B[..., None] * (Vn - np.exp(prefix)[..., None] * Kn @ S))          # (Hv, N, Dv)
+    O = np.exp(prefix)[..., None] * Q @ S + (Q @ Kn.swapaxes(1, 2) * Gamma) @ Delta           # (Hv, N, Dv)
+    return O.swapaxes(0, 1), Delta.swapaxes(0, 1)
+
+
+def tree_delta_states(S0, tape, parents):  # (Hv, Dk, Dv), Tape of N nodes -> (N, Hv, Dk, Dv)
+    """Every node's state from the tape (the fold): S_i = e^prefix_i S_0 + sum_{j on i's path} e^(prefix_i - prefix_j)
+    k_j delta_j^T; delta_states with the path in place of the prefix."""
+    Hv = tape.g.shape[1]
+    k = np.repeat(tape.k, Hv // tape.k.shape[1], axis=1)                                    # (N, Hv, Dk)
+    P = ancestor_mask(parents)[..., None]                                                   # (N, N, 1)
+    prefix = (P * tape.g[None]).sum(axis=1)                                                 # (N, Hv)
+    decay = np.exp(np.where(P, prefix[:, None] - prefix[None, :], -np.inf))                # (N, N, Hv)
+    return np.exp(prefix)[..., None, None] * S0 + np.einsum("ijh,jhk,jhv->ihkv", decay, k, tape.delta)
+
+
+def tree_forward(params, cfg, tokens, parents, state):
+    """One pass over a draft tree after `state` -> logits (N, V), hidden (N, D), the State (attention: the prefix and
+    every node's KV in node order; DeltaNet: None) and per-layer Tapes (one row per node)."""
+    return forward(params, cfg, tokens, state, parents=check_tree(parents))
+
+
+class VerifiedTree(NamedTuple):
+    """A tree's verify pass waiting for its commit (Verified's counterpart)."""
+    before: State
+    after: State
+    kept: list           # per layer: KeptStates per node (per-position) or the Tape (replay); None for attention
+    rollback: str
+    parents: list
+
+
+def keep_per_node(before, tapes, parents):
+    """Per-position strategy over a tree: every node's conv window and state (None for attention layers)."""
+    return [None if tape is None else KeptStates(tree_conv_windows(layer.conv, tape.qkv, parents, len(layer.conv)),
+                                                 tree_delta_states(layer.S, tape, parents))
+            for layer, tape in zip(before.layers, tapes)]
+
+
+def verify_tree(params, cfg, state, tokens, parents, rollback):  # (N,), (N,) -> logits (N, V), hidden, VerifiedTree
+    logits, hidden, after, tapes = tree_forward(params, cfg, tokens, parents, state)
+    kept = keep_per_node(state, tapes, parents) if rollback == "per-position" else tapes
+    return logits, hidden, VerifiedTree(state, after, kept, rollback, list(parents))
+
+
+def commit_tree(verified, path):  # VerifiedTree, accepted path [0, ..., L] -> State after consuming the path
+    """Keep the path: attention keeps the prefix and the path's KV rows; a DeltaNet layer takes the last accepted
+    node's kept state (per-position; index by the node, not by the path length) or replays the path's tape rows."""
+    before, n = verified.before, len(path)
+    rows, layers = before.length + np.asarray(path), []
+    for b, a, kept in zip(before.layers, verified.after.layers, verified.kept):
+        if kept is None:
+            layers.append(AttnState(np.concatenate([a.k[:before.length], a.k[rows]]),
+                                    np.concatenate([a.v[:before.length], a.v[rows]])))
+        elif verified.rollback == "per-position":
+            layers.append(DeltaState(kept.conv[path[-1]], kept.S[path[-1]]))
+        else:
+            tape = Tape(*(x[path] for x in kept))
+            layers.append(DeltaState(conv_window(b.conv, tape.qkv, n), replay(b.S, tape, n)))
+    return State(tuple(layers), before.length + n)
+
+
+def accept_tree_greedy(tokens, parents, logits):  # (N,), (N,), (N, V) -> (accepted path, next token)
+    """From the root, move to the first child carrying the target's argmax while there is one."""
+    path = [0]
+    while True:
+        target = int(logits[path[-1]].argmax())
+        child = next((c for c in tree_children(parents, path[-1]) if tokens[c] == target), None)
+        if child is None:
+            return path, target
+        path.append(child)
+
+
+def accept_tree_speculative(tokens, parents, q, p, u):  # q (N-1, V), p (N, V), u (N,) -> (accepted path, next token)
+    """Multi-draft speculative sampling (recursive rejection over siblings; SpecInfer, Miao et al. 2023): at a node
+    with distribution p', try its children in order: child c (token x drawn from q[c-1]) is accepted with chance
+    min(1, p'(x) / q[c-1](x)), uniform u[c-1]; a rejection replaces p' by normalize(max(0, p' - q[c-1])) for the next
+    sibling. When no child is accepted the next token is drawn from p' with u[N-1]. Exact when siblings are drawn
+    independently from their q (one-hot q: deterministic drafts such as top-k, then p' is p with the tried tokens
+    removed). On a chain it is accept_speculative, to the bit."""
+    path = [0]
+    while True:
+        target = p[path[-1]]
+        for j, c in enumerate(tree_children(parents, path[-1])):
+            if j:                                     # the previous sibling's residual, normalised
+                target = target / target.sum()
+            if u[c - 1] < acceptance(target[tokens[c]], q[c - 1, tokens[c]]):
+                path.append(c)
+                break
+            target = residual(target, q[c - 1])
+        else:
+            return path, sample(target, u[len(tokens) - 1])
+
+
+def tree_outcomes(tokens, parents, q, p):  # (N,), (N,), (N-1, V), (N, V) -> (N, V)
+    """accept_tree_speculative's outcome over independent uniforms, in closed form: entry [L, t] is the chance that
+    the accepted path ends at node L and t is drawn next (round_outcomes' rows, indexed by the last accepted node)."""
+    reach, rows = np.zeros(len(tokens)), [None] * len(tokens)
+    reach[0] = 1.0
+    for node in range(len(tokens)):
+        target, stay = p[node], reach[node]
+        for j, c in enumerate(tree_children(parents, node)):
+            if j:
+                target = target / target.sum()
+            kept = acceptance(target[tokens[c]], q[c - 1, tokens[c]])
+            reach[c] = stay * kept
+            stay *= 1 - kept
+            target = residual(target, q[c - 1])
+        rows[node] = stay * target / target.sum()
+    return np.stack(rows)
+
+
+def accept_tree(tokens, parents, q, logits, sampling, u):  # -> (accepted path, the target's next token)
+    if sampling.temperature == 0:
+        return accept_tree_greedy(tokens, parents, logits)
+    return accept_tree_speculative(tokens, parents, q, probabilities(logits, sampling), u)
+
+
 # Drafters. A drafter is a pure function over its own explicit state:
 #   propose(draft_state, context, new_hidden, k, sampling, rng) -> (tokens (k',), q (k', V), draft_state), k' <= k
 # `context` holds every committed token; the target has consumed all but the last. `new_hidden` (n, D) holds the
-# target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them).
+# target's final-normed hidden states of the n positions verified since the previous call (the MTP head reads them);
+# for a drafter with taps, the outputs of those target layers instead, (n, len(taps) D) (a DFlash drafter).
 # A self-speculative drafter (the target's own weights, cheapened) also has observe(draft_state, target_state) ->
 # draft_state, called before each propose with a copy of the target's committed state: it drafts from there.
 
@@ -617,6 +841,7 @@ class Drafter(NamedTuple):
     initial_state: object
     propose: Callable
     observe: Callable = None
+    taps: tuple = None   # target layers whose outputs new_hidden holds (None: the final-normed hidden state)
 
 
 def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
@@ -933,6 +1158,145 @@ def on_vocabulary(token, p, shortlist, V):  # a draw among S shortlist ids, p (S
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# DFlash block drafter (z-lab/dflash; docs/dflash.md): a few decoder layers of its own, no embedding or head of its
+# own (the target's are used), conditioned on the target's features: the outputs of the target layers
+# target_layer_ids, concatenated, projected by fc and normed. Every drafter layer attends from the block [last
+# committed token, MASK x K] to the context features' keys and values (its own k_proj and v_proj applied to the
+# features, cached) followed by the block's; a full-attention layer without a mask, a sliding one (the published
+# Qwen3.5 drafters have them) causally within its window, as z-lab reads its config (dflash_visible). One drafter
+# pass proposes all K drafts: the logits of the K mask slots through the target's lm_head. After each round the
+# cache keeps the context only, up to the last committed token (the block's keys and values are dropped: the
+# crop); the features of the positions the round verified and kept are appended at the next propose. The drafter
+# is a Qwen3 model: plain RMSNorm weights (no +1), q/k norms, full RoPE, no output gate.
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    num_hidden_layers: int       # the drafter's own decoder layers
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_layer_ids: tuple      # the target layers whose outputs are the features, in this order
+    mask_token_id: int           # fills the block's slots after the first
+    block_size: int              # the block length it was trained for: 1 + the drafts per round it expects
+    layer_types: tuple = ()      # per drafter layer "full_attention" (default) or "sliding_attention"
+    sliding_window: int = None   # a sliding layer's keys: positions within this distance of the query's
+    is_causal: bool = None       # None: as z-lab reads it, sliding layers causal, full ones not
+
+
+def dflash_visible(dcfg, i, queries, keys):  # layer i, positions (B,), (S + B,) -> (B, S + B) the keys each sees
+    """No mask in a full-attention layer (the DFlash block is bidirectional). z-lab's mask for the others: causal
+    where the layer is (sliding layers, unless is_causal says otherwise), within the window where it has one."""
+    sliding = i < len(dcfg.layer_types) and dcfg.layer_types[i] == "sliding_attention"
+    causal = sliding if dcfg.is_causal is None else dcfg.is_causal
+    query, key = queries[:, None], keys[None, :]
+    visible = np.ones((len(queries), len(keys)), bool)
+    if causal:
+        visible &= key <= query
+    if sliding:
+        visible &= (query - key < dcfg.sliding_window) & (causal | (key - query < dcfg.sliding_window))
+    return visible
+
+
+class DFlashState(NamedTuple):
+    layers: tuple        # one AttnState per drafter layer: the context features' keys (k_norm, RoPE) and values
+    length: int          # context positions cached = the position of the next features to append
+
+
+def plain_rms_norm(x, weight, eps):  # (..., N) -> (..., N): Qwen3's RMSNorm, scale w (not 1 + w)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def dflash_features(dparams, dcfg, tapped):  # (n, len(taps) D) target layer outputs -> (n, D)
+    return plain_rms_norm(tapped @ dparams["fc"].T, dparams["hidden_norm"], dcfg.rms_norm_eps)
+
+
+def dflash_keys_values(x, positions, dcfg, k_proj, v_proj, k_norm):  # (T, D) -> keys, values (T, Hkv, Dh)
+    T, Hkv, Dh = len(x), dcfg.num_key_value_heads, dcfg.head_dim
+    k = plain_rms_norm((x @ k_proj.T).reshape(T, Hkv, Dh), k_norm, dcfg.rms_norm_eps)
+    return rope(k, positions, dcfg.rope_theta, Dh), (x @ v_proj.T).reshape(T, Hkv, Dh)
+
+
+def dflash_extend(dparams, dcfg, draft_state, tapped):  # DFlashState, (n, len(taps) D) -> DFlashState
+    """Append the features of the next n context positions to every layer's cache (the same projected features
+    feed every layer; each layer keys and values them with its own k_proj and v_proj)."""
+    features = dflash_features(dparams, dcfg, tapped)
+    positions = draft_state.length + np.arange(len(features))
+    layers = []
+    for layer, cache in zip(dparams["layers"], draft_state.layers):
+        a = layer["self_attn"]
+        k, v = dflash_keys_values(features, positions, dcfg, a["k_proj"], a["v_proj"], a["k_norm"])
+        layers.append(AttnState(np.concatenate([cache.k, k]), np.concatenate([cache.v, v])))
+    return DFlashState(tuple(layers), draft_state.length + len(features))
+
+
+def dflash_attention(h, positions, cache, visible, dcfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):
+    """(B, D) block -> its update (B, D) and the layer's cache with the block's keys and values appended: the
+    block's queries over [cached context; block] keys, `visible` (B, S + B) (dflash_visible)."""
+    B, Hq, Hkv, Dh = len(h), dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
+    q = rope(plain_rms_norm((h @ q_proj.T).reshape(B, Hq, Dh), q_norm, dcfg.rms_norm_eps), positions,
+             dcfg.rope_theta, Dh)
+    k, v = dflash_keys_values(h, positions, dcfg, k_proj, v_proj, k_norm)
+    keys, values = np.concatenate([cache.k, k]), np.concatenate([cache.v, v])          # (S + B, Hkv, Dh)
+    q = q.reshape(B, Hkv, Hq // Hkv, Dh)
+    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)              # (Hkv, G, B, S + B)
+    weights = softmax(np.where(visible, scores, -np.inf))
+    out = np.einsum("kgts,skd->tkgd", weights, values).reshape(B, Hq * Dh) @ o_proj.T
+    return out, AttnState(keys, values)
+
+
+def dflash_block_tokens(context, k, mask_token_id):  # -> [last committed token, MASK x k]
+    return [context[-1]] + [mask_token_id] * k
+
+
+def dflash_block(params, dparams, dcfg, draft_state, block):  # (B,) tokens -> logits (B - 1, V), DFlashState
+    """One drafter pass over the block at positions [draft_state.length, + B) -> the logits of its last B - 1 slots,
+    and the cache with the block's keys and values appended (what dflash_crop takes back out)."""
+    positions = draft_state.length + np.arange(len(block))
+    x, layers = params["embed_tokens"][np.asarray(block)], []                           # (B, D)
+    for i, (layer, cache) in enumerate(zip(dparams["layers"], draft_state.layers)):
+        visible = dflash_visible(dcfg, i, positions, np.concatenate([np.arange(len(cache.k)), positions]))
+        update, cache = dflash_attention(plain_rms_norm(x, layer["input_layernorm"], dcfg.rms_norm_eps), positions,
+                                         cache, visible, dcfg, **layer["self_attn"])
+        x = x + update
+        x = x + mlp(plain_rms_norm(x, layer["post_attention_layernorm"], dcfg.rms_norm_eps), **layer["mlp"])
+        layers.append(cache)
+    logits = plain_rms_norm(x[1:], dparams["norm"], dcfg.rms_norm_eps) @ params["lm_head"].T
+    return logits, DFlashState(tuple(layers), draft_state.length + len(block))
+
+
+def dflash_crop(draft_state, length):  # DFlashState -> the cache of its first `length` positions (the context)
+    return DFlashState(tuple(truncate(cache, length) for cache in draft_state.layers), length)
+
+
+def dflash_drafter(name, params, cfg, dparams, dcfg, sampled=False):
+    """Each round: append the newly verified positions' features (new_hidden, the target's tapped layer outputs),
+    run the block [last committed token, MASK x k], propose. argmax with a one-hot q (sampled=False, as vLLM does),
+    or each slot drawn independently from the drafter's distribution under the round's sampling, q that
+    distribution (sampled=True: exact too, but the slots are not conditioned on each other's draws)."""
+    def propose(draft_state, context, new_hidden, k, sampling, rng):
+        draft_state = dflash_extend(dparams, dcfg, draft_state, new_hidden)
+        if draft_state.length != len(context) - 1:   # features for every committed position but the last
+            raise ValueError(f"DFlash: features for {draft_state.length} positions, the context has {len(context)}")
+        if not k:
+            return *no_drafts(cfg), draft_state
+        logits, with_block = dflash_block(params, dparams, dcfg, draft_state,
+                                          dflash_block_tokens(context, k, dcfg.mask_token_id))
+        draft_state = dflash_crop(with_block, draft_state.length)    # the block's keys and values never stay
+        if sampled:
+            drawn = [draw(row, sampling, rng) for row in logits]
+            return [token for token, _ in drawn], np.stack([p for _, p in drawn]), draft_state
+        tokens = [int(t) for t in logits.argmax(axis=-1)]
+        return tokens, one_hot(tokens, cfg.vocab_size), draft_state
+    Hkv, Dh = dcfg.num_key_value_heads, dcfg.head_dim
+    empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
+    return Drafter(name, DFlashState((empty,) * dcfg.num_hidden_layers, 0), propose,
+                   taps=tuple(dcfg.target_layer_ids))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Generation
 
 def check_prompt(cfg, prompt):
@@ -976,9 +1340,11 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
     sampling. Each round: the drafter proposes, then speculative_round verifies, accepts and rolls back."""
     limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
     stats = SpeculationStats(len(prompt), draft_len, rollback)
-    target, propose = stats.observe(reference_target(params, cfg, rollback)), stats.timed("draft", checked(drafter, cfg))
+    target = stats.observe(reference_target(params, cfg, rollback, drafter.taps))
+    propose = stats.timed("draft", checked(drafter, cfg))
     if limit > 0:
-        logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg))
+        logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg),
+                                                                         drafter.taps)
         tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
         on_tokens(tokens[-1:])
     draft_state = drafter.initial_state
@@ -994,6 +1360,91 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
         tokens += r.committed
         on_tokens(r.committed)
     return tokens, stats.result(len(tokens))
+
+# Tree drafting and generation (docs/trees.md). A tree budget bounds a round's drafted nodes (the root excluded),
+# their depth and each node's children.
+
+class TreeBudget(NamedTuple):
+    nodes: int
+    depth: int
+    branch: int
+
+
+def add_path(tree_tokens, parents, continuation, budget):  # grow the trie [root] + nodes along a continuation
+    node, depth = 0, 0
+    for token in continuation[:budget.depth]:
+        children = tree_children(parents, node)
+        match = next((c for c in children if tree_tokens[c] == token), None)
+        if match is None:
+            if len(children) >= budget.branch or len(tree_tokens) - 1 >= budget.nodes:
+                return
+            tree_tokens.append(int(token))
+            parents.append(node)
+            match = len(tree_tokens) - 1
+        node, depth = match, depth + 1
+
+
+def ngram_tree(context, budget, max_ngram=3):  # -> tokens (N,) with the root context[-1], parents (N,)
+    """Several continuations from the context: for the longest suffix (<= max_ngram tokens) seen before, what followed
+    each earlier occurrence, latest first, merged into a trie within the budget. One-hot q: the drafts are
+    deterministic."""
+    tokens, parents = [int(context[-1])], [-1]
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        suffix = list(context[-n:])
+        starts = [s for s in range(len(context) - n - 1, -1, -1) if list(context[s:s + n]) == suffix]
+        for start in starts:
+            add_path(tokens, parents, list(context[start + n:start + n + budget.depth]), budget)
+        if starts:
+            break
+    return tokens, parents
+
+
+def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, propose_tree, budget,
+                              rollback="replay", on_tokens=lambda new: None):
+    """Speculative decoding with a draft tree per round: propose_tree(context, budget) -> tokens, parents (root =
+    context[-1]) with one-hot q. -> the tokens and generate's stats."""
+    limit, tokens, calls, start = token_limit(cfg, prompt, max_new_tokens), [], 0, time.perf_counter()
+    prefill_done = start
+    if limit > 0:
+        logits, _, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+        prefill_done = time.perf_counter()
+        tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
+        on_tokens(tokens[-1:])
+    while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
+        room = budget._replace(depth=min(budget.depth, limit - len(tokens) - 1))   # room for the target's token
+        tree, parents = propose_tree(list(prompt) + tokens, room)
+        logits, _, verified = verify_tree(params, cfg, state, tree, parents, rollback)
+        u = rng.random(len(tree)) if sampling.temperature else None
+        path, token = accept_tree(tree, parents, one_hot(tree[1:], cfg.vocab_size), logits, sampling, u)
+        committed = until_stop([tree[j] for j in path[1:]] + [token], cfg.eos_token_id)
+        state = commit_tree(verified, path[:len(committed)])
+        tokens += committed
+        on_tokens(committed)
+        calls += 1
+    end = time.perf_counter()
+    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
+                    "tokens_per_call": (len(tokens) - 1) / calls if calls else 0.0, "tree": budget._asdict(),
+                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+
+
+TREE_LIMITS = {"nodes": 64, "depth": 16, "branch": 8}
+
+
+def parse_tree_budget(text):  # "NODES[:DEPTH[:BRANCH]]" -> TreeBudget; depth defaults to nodes, branch to nodes
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3:
+        raise UserError(f"--tree {text!r}: expected NODES[:DEPTH[:BRANCH]], integers")
+    nodes = values[0]
+    values += [min(nodes, TREE_LIMITS["depth"]), min(nodes, TREE_LIMITS["branch"])][len(values) - 1:]
+    budget = TreeBudget(*values)
+    for field, value in budget._asdict().items():
+        if not 1 <= value <= TREE_LIMITS[field]:
+            raise UserError(f"--tree {text!r}: {field} must be in [1, {TREE_LIMITS[field]}]")
+    return budget
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1365,6 +1816,16 @@ def check_memory(model_dir, cfg, sources):
     return need
 
 
+def check_tensors(model_dir, sources, expected):  # {name: stored}, {name: shape}: the same names, the same shapes
+    for name in sorted(set(expected) - set(sources)):
+        raise UserError(f"{model_dir}: tensor {name} is missing")
+    for name in sorted(set(sources) - set(expected)):
+        raise UserError(f"{model_dir}: unexpected tensor {name}")
+    for name, shape in expected.items():
+        if sources[name].shape != shape:
+            raise UserError(f"{model_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+
+
 def read_weights(model_dir, cfg):
     """The text model's tensors under canonical names, fp32. Strict: a missing, unexpected or misshaped tensor is an
     error naming it, found from the headers before any tensor data is read. `mtp.*` is kept if present."""
@@ -1374,13 +1835,7 @@ def read_weights(model_dir, cfg):
     expected = checkpoint_shapes(cfg, with_mtp=any(name.startswith("mtp.") for name in sources))
     if cfg.tie_word_embeddings:
         del expected["lm_head.weight"]
-    for name in sorted(set(expected) - set(sources)):
-        raise UserError(f"{model_dir}: tensor {name} is missing")
-    for name in sorted(set(sources) - set(expected)):
-        raise UserError(f"{model_dir}: unexpected tensor {name}")
-    for name, shape in expected.items():
-        if sources[name].shape != shape:
-            raise UserError(f"{model_dir}: tensor {name} has shape {sources[name].shape}, expected {shape}")
+    check_tensors(model_dir, sources, expected)
     need = check_memory(model_dir, cfg, sources)
     try:
         tensors = {name: read_source(source) for name, source in sources.items()}
@@ -1423,6 +1878,115 @@ def load_weights(model_dir, cfg):
 def load_model(model_dir):
     cfg = load_config(model_dir)
     return cfg, load_weights(model_dir, cfg)
+
+
+# A DFlash drafter's checkpoint, as the public ones store it (z-lab's DFlashDraftModel): a Qwen3 config.json with
+# dflash_config {target_layer_ids, mask_token_id, block_size} (each also read at the top level), and model.safetensors
+# holding fc, hidden_norm, norm and layers.N.* without a `model.` prefix, and no embedding or lm_head.
+
+DFLASH_UNSUPPORTED = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
+                      "partial_rotary_factor": 1.0, "attention_bias": False}
+
+
+def dflash_config_from_dict(raw, cfg):  # the drafter's config.json, the target's Config -> DFlashConfig
+    if not isinstance(raw, dict):
+        raise UserError(f"DFlash config: expected a JSON object, got {type(raw).__name__}")
+    extra = raw.get("dflash_config", {})
+    if not isinstance(extra, dict):
+        raise UserError(f"DFlash config: dflash_config={extra!r} is not an object")
+    rope = {**{k: raw[k] for k in ("rope_theta", "partial_rotary_factor") if k in raw},
+            **(raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {})}
+
+    def get(key, default=None, kind=int, source=None):
+        source = source if source is not None else extra if key in extra else raw
+        if key not in source and default is None:
+            raise UserError(f"DFlash config: required field {key!r} is missing")
+        value = source.get(key, default)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise UserError(f"DFlash config: {key}={value!r} has the wrong type, expected "
+                            f"{getattr(kind, '__name__', 'number')}")
+        return value
+
+    if "DFlash2DraftModel" in (raw.get("architectures") or []):
+        raise UserError("DFlash config: DFlash2DraftModel (dynamic convolutions, candidate selector) is not supported")
+    for key, default in DFLASH_UNSUPPORTED.items():
+        value = {**raw, **rope, **extra}.get(key, default)
+        if value is not None and value != default:
+            raise UserError(f"DFlash config: {key}={value!r} is not supported (only {default!r})")
+    if rope.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
+        raise UserError(f"DFlash config: RoPE scaling is not supported (only rope_type 'default')")
+    if get("hidden_act", "silu", str) != "silu":
+        raise UserError(f"DFlash config: hidden_act={raw['hidden_act']!r} is not supported (only 'silu')")
+    layer_types = get("layer_types", [], list)
+    if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+        raise UserError(f"DFlash config: layer_types={layer_types!r:.100} must be full_attention or sliding_attention")
+    window = get("sliding_window") if "sliding_attention" in layer_types else None
+    if window is not None and window < 1:
+        raise UserError(f"DFlash config: sliding_window={window} must be >= 1")
+    is_causal = raw.get("is_causal")
+    if not isinstance(is_causal, (bool, type(None))):
+        raise UserError(f"DFlash config: is_causal={is_causal!r} must be true, false or null")
+    for key, target_value in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size),
+                              ("num_target_layers", cfg.num_hidden_layers)):
+        if get(key, target_value) != target_value:
+            raise UserError(f"DFlash config: {key}={get(key)} differs from the target's {target_value}")
+    heads = get("num_attention_heads")
+    fields = dict(num_hidden_layers=get("num_hidden_layers"), num_attention_heads=heads,
+                  num_key_value_heads=get("num_key_value_heads"),
+                  head_dim=get("head_dim", cfg.hidden_size // heads if heads > 0 else 1),
+                  intermediate_size=get("intermediate_size"), rms_norm_eps=get("rms_norm_eps", 1e-6, (int, float)),
+                  rope_theta=get("rope_theta", 10000.0, (int, float), rope))
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "rms_norm_eps", "rope_theta"):
+        check_limit(key, fields[key])
+    if heads % fields["num_key_value_heads"]:
+        raise UserError(f"DFlash config: num_attention_heads={heads} is not a multiple of num_key_value_heads="
+                        f"{fields['num_key_value_heads']}")
+    if fields["head_dim"] % 2:
+        raise UserError(f"DFlash config: head_dim={fields['head_dim']} must be even (RoPE rotates pairs)")
+    taps = get("target_layer_ids", kind=list)
+    if not taps or not is_int_list(taps) or not all(0 <= i < cfg.num_hidden_layers for i in taps) or len(
+            set(taps)) != len(taps):
+        raise UserError(f"DFlash config: target_layer_ids={taps!r:.100} must be distinct layers of the target's "
+                        f"[0, {cfg.num_hidden_layers - 1}]")
+    mask, block = get("mask_token_id"), get("block_size", 16)
+    if not 0 <= mask < cfg.vocab_size:
+        raise UserError(f"DFlash config: mask_token_id={mask} is outside the vocabulary [0, {cfg.vocab_size})")
+    if not 2 <= block <= MAX_DRAFT_LEN + 1:
+        raise UserError(f"DFlash config: block_size={block} must be in [2, {MAX_DRAFT_LEN + 1}]")
+    if layer_types and len(layer_types) != fields["num_hidden_layers"]:
+        raise UserError(f"DFlash config: {len(layer_types)} layer_types for num_hidden_layers="
+                        f"{fields['num_hidden_layers']}")
+    return DFlashConfig(**fields, target_layer_ids=tuple(taps), mask_token_id=mask, block_size=block,
+                        layer_types=tuple(layer_types), sliding_window=window, is_causal=is_causal)
+
+
+def dflash_shapes(cfg, dcfg):  # -> {tensor name: shape} of a DFlash checkpoint for this target
+    D, Hq, Hkv, Dh, F = (cfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim,
+                         dcfg.intermediate_size)
+    shapes = {"fc.weight": (D, len(dcfg.target_layer_ids) * D), "hidden_norm.weight": (D,), "norm.weight": (D,)}
+    for i in range(dcfg.num_hidden_layers):
+        shapes.update({f"layers.{i}.{name}.weight": shape for name, shape in {
+            "input_layernorm": (D,), "post_attention_layernorm": (D,), "self_attn.q_proj": (Hq * Dh, D),
+            "self_attn.k_proj": (Hkv * Dh, D), "self_attn.v_proj": (Hkv * Dh, D), "self_attn.o_proj": (D, Hq * Dh),
+            "self_attn.q_norm": (Dh,), "self_attn.k_norm": (Dh,), "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D),
+            "mlp.down_proj": (D, F)}.items()})
+    return shapes
+
+
+def load_dflash(draft_dir, cfg):  # -> DFlashConfig, nested params {"fc", "hidden_norm", "norm", "layers": [...]}
+    draft_dir = Path(draft_dir)
+    if not draft_dir.is_dir():
+        raise UserError(f"DFlash directory {draft_dir} does not exist")
+    dcfg = dflash_config_from_dict(read_json(draft_dir / "config.json"), cfg)
+    sources, expected = read_checkpoint_headers(draft_dir), dflash_shapes(cfg, dcfg)
+    check_tensors(draft_dir, sources, expected)
+    try:
+        return dcfg, nested_params({name: read_tensor(source) for name, source in sources.items()})
+    except MemoryError:
+        raise UserError(f"{draft_dir}: not enough memory for the drafter's float32 weights") from None
+    except OSError as e:
+        raise UserError(f"{draft_dir}: cannot map the weights ({e})") from None
 
 
 def cast(params, dtype):
@@ -1717,7 +2281,7 @@ SELF_SPECULATIVE = {
 
 
 DRAFT_FORMS = ("none, ngram, mtp, skip:N, model:DIR, partial-mlp:F[:LAYERS], skip-blocks:LAYERS, mixer-reuse:LAYERS, "
-               "residual-reuse:L or mtp-shortlist:PATH")
+               "residual-reuse:L, mtp-shortlist:PATH, dflash:DIR or dflash-sampled:DIR")
 
 
 def make_drafter(spec, params, cfg, ngram_table=None):
@@ -1740,6 +2304,10 @@ def make_drafter(spec, params, cfg, ngram_table=None):
             raise UserError(f"--draft {spec}: vocab_size {draft_cfg.vocab_size} differs from the target's {cfg.vocab_size}")
         return model_drafter(draft_params, draft_cfg, spec)
     name, _, args = spec.partition(":")
+    if name in ("dflash", "dflash-sampled"):
+        if not args:
+            raise UserError(f"--draft {spec}: expected {name}:DIR (a DFlash drafter's checkpoint directory)")
+        return dflash_drafter(spec, params, cfg, *reversed(load_dflash(args, cfg)), sampled=name == "dflash-sampled")
     if name in SELF_SPECULATIVE:
         return SELF_SPECULATIVE[name](spec, args, params, cfg)
     raise UserError(f"--draft {spec!r}: expected {DRAFT_FORMS}")
@@ -1774,6 +2342,14 @@ def run(args, backend):
 
 def reference_generate(params, cfg, prompt, args, on_tokens):
     table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
+    if args.tree:
+        budget = parse_tree_budget(args.tree)
+        if args.draft != "ngram" or table:
+            raise UserError("--tree drafts with the context n-gram lookup: give it with --draft ngram (no table)")
+        return generate_tree_speculative(params, cfg, prompt, args.max_new_tokens,
+                                         Sampling(args.temperature, args.top_k, args.top_p),
+                                         np.random.default_rng(args.seed), ngram_tree, budget, args.rollback,
+                                         on_tokens)
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling, rng = Sampling(args.temperature, args.top_k, args.top_p), np.random.default_rng(args.seed)
     if drafter is None:
@@ -1785,7 +2361,10 @@ def reference_generate(params, cfg, prompt, args, on_tokens):
 REFERENCE = Backend(
     "reference.py", "Qwen3.5 hybrid model in NumPy, with speculative decoding.",
     f"{DRAFT_FORMS} (LAYERS: 0-based layers and ranges, e.g. 1-3,6; docs/self-speculative.md)",
-    add_flags=lambda parser: None,
+    add_flags=lambda parser: parser.add_argument(
+        "--tree", metavar="NODES[:DEPTH[:BRANCH]]",
+        help="verify a draft tree per round instead of a chain (with --draft ngram): at most NODES drafted nodes, "
+             "DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)"),
     context=lambda args: contextlib.nullcontext(), load=lambda args: load_model(args.model),
     prompt_logits=lambda params, cfg, prompt: forward(params, cfg, prompt, empty_state(cfg))[0],
     generate=reference_generate, summary=summary, main_process=lambda: True)

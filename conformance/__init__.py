@@ -6,7 +6,7 @@
                                                    the statistical pack: the engine draws with its own random numbers
     python -m conformance serve --engine NAME      a Python adapter as a process engine (INTERPRETING.md section 8)
     python -m conformance check-server --url URL --model DIR [--scenarios REGEX] [--dialect NAME] [--report out.json]
-                                                   a running server, black-box (INTERPRETING.md section 9)
+                                                   a running server, black-box (INTERPRETING.md section 11)
     python -m conformance where                    the kit's paths (package, cases, expectations, examples), version
     python -m conformance generate [--check]       rebuild cases/ from reference.py (deterministic; in a clone)
 

@@ -1,11 +1,11 @@
-"""Command line: list, run, sample, serve, check-server, where, generate (see conformance/__init__.py)."""
+"""Command line: list, run, sample, serve, check-server, where, generate, checkpoint, kernels (see conformance/__init__.py)."""
 
 import argparse
 import re
 import sys
 from pathlib import Path
 
-from . import KIT, reference as R
+from . import KIT, published, reference as R
 from .runner import OUT_DIR
 from .engines import EngineError, known_engines
 from .format import CASES_DIR, HERE, ROOT, SUITE_VERSION, GoldenError, case_dirs, read_manifest
@@ -48,6 +48,8 @@ def parse_args(argv):
                           f"(default: ./{OUT_DIR}, under the current directory)")
         mode.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                           help="an exec: engine's limit for answering one request (default 600)")
+    run.add_argument("--no-diagnosis", action="store_true", help="do not recompute a failing case under the "
+                     "catalogued mistakes to name the one the engine's outputs match (INTERPRETING.md section 9)")
     sample.add_argument("--seed", type=int, default=0, help="seeds the engine's draws, one stream per case "
                         "(default 0); each case fails a correct engine with the false-alarm rate its manifest states")
     serve = sub.add_parser("serve", help="serve a Python adapter over the engine protocol on stdin/stdout")
@@ -78,6 +80,15 @@ def parse_args(argv):
     gen.add_argument("--out", type=Path, default=CASES_DIR, help="folder to write (default: conformance/cases)")
     gen.add_argument("--check", action="store_true", help="write nothing: regenerate into a temporary folder and "
                      "report what differs from --out beyond float32 rounding (exit 1 if anything does)")
+    ckpt = sub.add_parser("checkpoint", help="write a random checkpoint with a published model's exact layer "
+                          "geometry at reduced depth (conformance/published.py)")
+    published.add_arguments(ckpt)
+    kern = sub.add_parser("kernels", help="the kernel pack: op-level cases at the published layer geometry against "
+                          "an engine's kernel ops (conformance/kernels.py)")
+    kern.add_argument("--engine", required=True, help="numpy, numpy:HVK, jax, transformers, or package.module:Class "
+                      "(a conformance.kernels.KernelEngine subclass)")
+    kern.add_argument("--cases", type=regex, metavar="REGEX", help="only case names matching this regular expression")
+    kern.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="input dtype (states fp32)")
     args = ap.parse_args(argv)
     if getattr(args, "timeout", None) is not None and not args.timeout > 0:
         ap.error(f"--timeout {args.timeout}: must be > 0")
@@ -138,6 +149,14 @@ def main(argv=None):
         args = parse_args(argv)
         if args.command == "generate":
             return generate(args)
+        if args.command == "checkpoint":
+            return published.checkpoint_command(args)
+        if args.command == "kernels":
+            from .kernels import kernel_engine, run_pack
+            results = run_pack(kernel_engine(args.engine), args.cases, args.dtype)
+            counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+            print(", ".join(f"{n} {s}" for s, n in counts.items()))
+            return 1 if counts["FAIL"] else 0
         if args.command == "check-server":
             from .check_server import ServerError, check_server
             try:
@@ -156,7 +175,7 @@ def main(argv=None):
         else:
             return run(args.engine, args.cases, args.report, args.dir, args.expectations,
                        out_dir=args.out_dir or OUT_DIR, timeout=args.timeout, statistical=args.command == "sample",
-                       seed=getattr(args, "seed", 0))[1]
+                       seed=getattr(args, "seed", 0), diagnose=not getattr(args, "no_diagnosis", False))[1]
     except (R.UserError, GoldenError, EngineError, ExpectationsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
     pytest --qwen35-engine mypkg.adapter:MyEngine --qwen35-expectations mine.json [--qwen35-cases REGEX]
 
 adds one test per run of `qwen35-conformance run` (named qwen35-conformance::<case>[@<rollback strategy>]) to
-whatever else pytest collects. A run passes, fails with the runner's report of it (its row and first mismatching
+whatever else pytest collects; --qwen35-sample [--qwen35-seed S] adds the statistical pack's cases (`sample`). A run passes, fails with the runner's report of it (its row and first mismatching
 elements), is skipped for a feature the expectations say the engine lacks, or xfails where the expectations list it
 as a known failure; whatever `run` marks unexpected (`!`) fails, a known failure that passes included. Without
 --qwen35-engine the plugin adds nothing.
@@ -28,6 +28,9 @@ def pytest_addoption(parser):
                     "./qwen35-conformance-out)")
     group.addoption("--qwen35-timeout", type=float, metavar="SECONDS", help="an exec: engine's limit for answering "
                     "one request")
+    group.addoption("--qwen35-sample", action="store_true", help="add the statistical pack (`qwen35-conformance "
+                    "sample`): the engine draws with its own random numbers")
+    group.addoption("--qwen35-seed", type=int, default=0, metavar="S", help="seeds the pack's draws (default 0)")
 
 
 class Suite:
@@ -46,10 +49,14 @@ class Suite:
             _, self.unsupported, self.known_failures = runner.engine_expectations(
                 self.engine, Path(expectations) if expectations else None)
             self.runs = runner.select_cases(runner.CASES_DIR, option("qwen35_cases"))
+            if option("qwen35_sample"):
+                self.runs += [(folder, runner.seeded(meta, option("qwen35_seed")))
+                              for folder, meta in runner.select_cases(runner.CASES_DIR, option("qwen35_cases"), True)]
         except Exception as e:
             self.engine.close()
             raise pytest.UsageError(f"{SUITE}: {e}") from None
         self.load_model = runner.model_loader(self.engine)
+        self.diagnoser = runner.reference_diagnoser()      # names the usual mistake a failure matches
         self.out_dir = Path(option("qwen35_out_dir") or runner.OUT_DIR)
 
     def close(self):
@@ -75,7 +82,7 @@ class CaseItem(pytest.Item):
         from .runner import actual_dir, print_table, run_case
         suite = self.config.stash[SUITE_KEY]
         result = run_case(suite.engine, self.folder, self.meta, suite.unsupported, suite.known_failures,
-                          suite.load_model, suite.out_dir)
+                          suite.load_model, suite.out_dir, suite.diagnoser)
         if result.unexpected:
             report = io.StringIO()
             print_table([result], report)

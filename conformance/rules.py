@@ -20,7 +20,7 @@ class Parts(NamedTuple):
     acceptance: (p_i, q_i, draft) -> the chance of keeping the draft; accepts: (u, chance) -> kept?; residual:
     (p_i, q_i, draft) -> what the token after rejecting the draft is drawn from; bonus_row: K -> the row the token after
     K accepted drafts is drawn from; new_token_uniform: (u, i) -> the uniform that draws the token after rejecting
-    draft i; draw: (distribution, u) -> token."""
+    draft i; draw: (distribution, u) -> token; matches: (draft, logits) -> the drafts greedy acceptance keeps."""
     probabilities: Callable = R.probabilities
     acceptance: Callable = lambda p, q, x: R.acceptance(p[x], q[x])
     accepts: Callable = lambda u, chance: u < chance
@@ -28,9 +28,10 @@ class Parts(NamedTuple):
     bonus_row: Callable = lambda K: K
     new_token_uniform: Callable = lambda u, i: u[-1]
     draw: Callable = R.sample
+    matches: Callable = lambda draft, logits: R.accept_greedy(draft, logits)[0]
 
 
-SPEC = Parts()
+SPEC = Parts()    # the wrong parts below call the spec's through it (diagnosis.py patches reference.py's)
 
 
 class Round(NamedTuple):
@@ -46,7 +47,7 @@ def decider(parts, r):
     reference.accept under SPEC. The probabilities are computed once."""
     K = len(r.draft)
     if r.sampling.temperature == 0:
-        accepted = R.accept_greedy(r.draft, r.logits)[0]
+        accepted = parts.matches(r.draft, r.logits)
         token = int(np.argmax(r.logits[accepted if accepted < K else parts.bonus_row(K)]))
         return lambda u: (accepted, token)
     p = parts.probabilities(r.logits, r.sampling)
@@ -79,20 +80,31 @@ def temperature_last(logits, sampling):
     """Top-k and top-p on softmax(logits), the temperature applied afterwards over the tokens kept (llama.cpp's and
     mlx-lm's sampler order)."""
     if sampling.temperature == 0:
-        return R.probabilities(logits, sampling)
-    kept = R.probabilities(logits, sampling._replace(temperature=1.0)) > 0
+        return SPEC.probabilities(logits, sampling)
+    kept = SPEC.probabilities(logits, sampling._replace(temperature=1.0)) > 0
     return R.softmax(np.where(kept, logits / np.float32(sampling.temperature), -np.inf))
 
 
 def temperature_ignored(logits, sampling):
-    return R.probabilities(logits, sampling._replace(temperature=1.0 if sampling.temperature else 0.0))
+    return SPEC.probabilities(logits, sampling._replace(temperature=1.0 if sampling.temperature else 0.0))
 
 
 def in_probability_order(p, u):
     """Inverse CDF over the tokens in order of decreasing probability (a sampler that draws from its sorted top-p
     list), lower ids first among equals."""
     order = np.argsort(-p, kind="stable")
-    return int(order[R.sample(p[order], u)])
+    return int(order[SPEC.draw(p[order], u)])
+
+
+def count_matches(draft, logits):
+    """Greedy acceptance counting every draft equal to its row's argmax, not only the longest matching prefix."""
+    return sum(int(x == t) for x, t in zip(draft, logits.argmax(axis=-1)))
+
+
+def matches_after_mismatch(r, accepted):
+    """A greedy round in which a draft after the first rejected one equals its row's argmax again."""
+    target = r.logits.argmax(axis=-1)
+    return any(r.draft[i] == target[i] for i in range(accepted + 1, len(r.draft)))
 
 
 def residual_unnormalised(p, q, x):
@@ -175,6 +187,9 @@ WRONG = [
          Parts(new_token_uniform=lambda u, i: u[i]), lambda r, p, a: rejected(r, a), distribution=False),
     Rule("probability-order", "tokens drawn by inverse CDF over decreasing probability instead of token ids",
          Parts(draw=in_probability_order), lambda r, p, a: sampled(r) and not all(map(decreasing, p)),
+         distribution=False),
+    Rule("count-the-matches", "greedy: as many drafts kept as match their row's argmax anywhere, not the longest "
+         "matching prefix", Parts(matches=count_matches), lambda r, p, a: not sampled(r) and matches_after_mismatch(r, a),
          distribution=False),
 ]
 RULES = {rule.name: rule for rule in WRONG}

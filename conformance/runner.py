@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-from . import reference as R
+from . import diagnosis, reference as R
 from .chisquare import bin_totals, chi_square
 from .engines import get_engine
 from .format import (CASES_DIR, EXPECTED, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs, features_named, read_manifest,
@@ -278,6 +278,7 @@ class Result(NamedTuple):
     rel: float | None
     details: tuple
     outputs: dict
+    diagnosis: tuple = ()          # a FAIL's matching mistakes (diagnosis.py), when diagnosed
 
 
 def skip_result(name, missing, unsupported):
@@ -297,7 +298,7 @@ def outputs_named(names, specs):
     return ", ".join(f"{kinds.count(kind)} {kind} outputs" for kind in dict.fromkeys(kinds))
 
 
-def run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir):
+def run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir, diagnose_with=None):
     name = meta["name"]
     missing = [f for f in meta["features"] if f not in engine.features]
     if missing:
@@ -334,11 +335,51 @@ def run_case(engine, folder, meta, unsupported, known_failures, load_model, out_
     else:
         unexpected = status in ("FAIL", "ERROR")
     floats = [c for c in compared.values() if c.max_abs is not None]
+    matches = ()
     if status == "FAIL":
         save_actual(out_dir, engine.name, name, actual)
+        if unexpected and diagnose_with and diagnosis.candidates(meta["kind"]):
+            matches, line = diagnose(diagnose_with, meta, inputs, expected, actual, {o: specs[o] for o in compared})
+            details += (line,)
     return Result(name, status, unexpected, "; ".join(notes),
                   max((c.max_abs for c in floats), default=None), max((c.rel for c in floats), default=None), details,
-                  {out: c._asdict() for out, c in compared.items()})
+                  {out: c._asdict() for out, c in compared.items()}, matches)
+
+
+class Diagnoser(NamedTuple):
+    """What diagnose recomputes a case with: the reference adapter and its models by checkpoint."""
+    engine: object
+    load_model: object
+
+
+def reference_diagnoser():
+    engine = get_engine("reference")
+    return Diagnoser(engine, model_loader(engine))
+
+
+def diagnose(diagnoser, meta, inputs, expected, actual, specs):
+    """The catalogued mistakes (diagnosis.py) whose outputs on this case the engine's match within the case's
+    tolerances, among those the case tells from the spec -> (their names, a line for the details)."""
+    told, matches = [], []
+    model = diagnoser.load_model(meta["checkpoint"]) if meta["checkpoint"] else None
+    for mistake in diagnosis.candidates(meta["kind"]):
+        with diagnosis.applied(mistake):
+            try:
+                variant = DRIVERS.get(meta["kind"], drive_op)(diagnoser.engine, meta, inputs, expected, model)
+            except Exception:       # a mistake that cannot run on this case (a shape it breaks) tells nothing here
+                continue
+        names = [out for out in specs if out in variant and np.shape(variant[out]) == expected[out].shape]
+        if not names or all(compare(specs[out], variant[out], expected[out]).ok for out in names):
+            continue                # the case cannot tell this mistake from the spec
+        told.append(mistake.name)
+        if all(compare({**specs[out], "ties": {}}, actual.get(out), np.asarray(variant[out])).ok for out in names):
+            matches.append(mistake.name)
+    if matches:
+        return tuple(matches), (f"diagnosis: the outputs match {' and '.join(f'`{m}`' for m in matches)} ("
+                                f"{'; '.join(diagnosis.MISTAKES[m].description for m in matches)}); INTERPRETING.md "
+                                "section 9")
+    return (), (f"diagnosis: the outputs match none of the {len(told)} catalogued mistakes this case tells apart "
+                "(INTERPRETING.md section 9)")
 
 
 def actual_dir(out_dir, engine_name):
@@ -408,18 +449,19 @@ def seeded(meta, seed):
 
 
 def run(engine_name, pattern=None, report=None, cases_dir=CASES_DIR, expectations=None, out=None, progress=None,
-        out_dir=OUT_DIR, timeout=None, fail_fast=False, statistical=False, seed=0):
+        out_dir=OUT_DIR, timeout=None, fail_fast=False, statistical=False, seed=0, diagnose=True):
     """Returns (results, exit code): 1 when any result is unexpected. `engine_name`: anything get_engine takes (a
     name, package.module:Class, exec:COMMAND; `timeout` is a process engine's per-request limit). `expectations`: a
     dict or a JSON file, by default the engine's own (own_expectations). The table goes to `out` (stdout), progress
     lines to `progress` (stderr), outputs of failing cases to `out_dir`/<engine>/. fail_fast: stop after the first
     unexpected result (the results then end with it). statistical: run the statistical pack (`sample` mode), its
-    engine seeded from `seed`, instead of the other cases."""
+    engine seeded from `seed`, instead of the other cases. diagnose: name the catalogued mistake each unexpected FAIL
+    matches (diagnosis.py)."""
     out, progress = out or sys.stdout, progress or sys.stderr
     engine = get_engine(engine_name, timeout)
     try:
         return run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir,
-                          fail_fast, statistical, seed)
+                          fail_fast, statistical, seed, diagnose)
     finally:
         engine.close()
 
@@ -446,14 +488,14 @@ def model_loader(engine):
 
 
 def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, out, progress, out_dir, fail_fast=False,
-               statistical=False, seed=0):
+               statistical=False, seed=0, diagnose=True):
     source, unsupported, known_failures = engine_expectations(engine, expectations)
     cases = [(folder, seeded(meta, seed) if statistical else meta)
              for folder, meta in select_cases(cases_dir, pattern, statistical)]
     load_model = model_loader(engine)
-    results = []
+    results, diagnoser = [], reference_diagnoser() if diagnose and not statistical else None
     for i, (folder, meta) in enumerate(cases, 1):
-        results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir))
+        results.append(run_case(engine, folder, meta, unsupported, known_failures, load_model, out_dir, diagnoser))
         print(f"[{i}/{len(cases)}] {results[-1].status:<5} {meta['name']}", file=progress, flush=True)
         if fail_fast and results[-1].unexpected:
             break
@@ -472,5 +514,5 @@ def run_engine(engine, engine_name, pattern, report, cases_dir, expectations, ou
             "summary": {**counts, "unexpected": unexpected},
             "cases": [{"name": r.name, "status": r.status, "unexpected": r.unexpected, "note": r.note,
                        "max_abs_error": r.max_abs, "rel_error": r.rel, "details": list(r.details),
-                       "outputs": r.outputs} for r in results]}, indent=1) + "\n")
+                       "outputs": r.outputs, **({"diagnosis": list(r.diagnosis)} if r.diagnosis else {})} for r in results]}, indent=1) + "\n")
     return results, 1 if unexpected else 0

@@ -140,6 +140,30 @@ class Text(Dialect):
         return openai_chunk(payload, lambda choice, logprobs: None)
 
 
+class LlamaServer(Dialect):
+    """llama.cpp's llama-server, its native POST /completion: the prompt as an array of ids (no BOS added to one),
+    the generated ids in `tokens` (return_tokens), each one's log-probability (the softmax of the raw logits) in
+    completion_probabilities[].logprob (n_probs 1), stop_type eos / word -> "stop", limit -> "length". Its sampler
+    chain is fixed to top-k, top-p, temperature (min_p 0: the server's default 0.05 would cut the distribution); top_k
+    0 is off in llama.cpp as here. Its API has no stop token ids (only stop strings): a request's stop ids are not
+    sent, so only EOS ends a completion early. Drafting is the server's --spec-type; prompt caching is cache_prompt."""
+    name = "llama-server"
+    path = "/completion"
+
+    def body(self, r, model):
+        return {"prompt": list(r.prompt), "n_predict": r.max_tokens, "stream": r.stream, "return_tokens": True,
+                "cache_prompt": True, "n_probs": 1, "ignore_eos": r.ignore_eos, "temperature": r.temperature,
+                "top_k": r.top_k, "top_p": r.top_p, "min_p": 0.0, "seed": r.seed,
+                "samplers": ["top_k", "top_p", "temperature"]}
+
+    def chunk(self, payload):
+        finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(payload.get("stop_type")) \
+            if payload.get("stop") else None
+        probabilities = payload.get("completion_probabilities") or []
+        return Chunk([int(t) for t in payload.get("tokens") or []], payload.get("content"), finish,
+                     [float(p["logprob"]) for p in probabilities] or None)
+
+
 # Streaming SGLang sends cumulative meta_info: SGLang streams are read as whole answers (stream forced off).
-DIALECTS = {d.name: d for d in (JaxImpl(), VLLM(), VLLMLogprobs(), SGLang(), Text())}
+DIALECTS = {d.name: d for d in (JaxImpl(), VLLM(), VLLMLogprobs(), SGLang(), LlamaServer(), Text())}
 CUMULATIVE_STREAMS = {"sglang"}

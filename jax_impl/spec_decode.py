@@ -378,7 +378,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
     stats["seconds"] has compile, prefill, decode and total (total leaves compile out)."""
     if draft not in ("none", *DRAFTERS):
         raise reference.UserError(f"--draft {draft}: jax_impl runs none, ngram and mtp on device "
-                                  "(skip:N, model:DIR and the self-speculative drafters are reference.py only)")
+                                  "(skip:N, model:DIR, dflash and the self-speculative drafters are reference.py only)")
     if draft == "mtp":
         reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer
     if rollback not in reference.ROLLBACK_STRATEGIES:

@@ -25,7 +25,7 @@ from jax_impl.injected_bugs import BUGS, touches_step
 MODEL = ROOT / "weights" / "tiny-mtp"   # 8 DeltaNet/attention layers and an MTP head; continues prompts variously
 PINNED = ["--slots", "16", "--max-draft-len", "8", "--step-width", "16", "--all-features"]
 # three host-side bugs in CI (about 45 s each here: a server start and its scenario); the whole catalogue, host and
-# step program: python -m jax_impl.injected_bugs --check (INTERPRETING.md section 9 records it)
+# step program: python -m jax_impl.injected_bugs --check (INTERPRETING.md section 11 records it)
 HOST_BUGS = ["slot-reused-with-state", "cache-key-unchecked", "max-tokens-off-by-one"]
 assert all(not touches_step(BUGS[name]) and not BUGS[name].escapes for name in HOST_BUGS)
 DRAFT_SCENARIOS = "^(speculative-acceptance-mix|shared-prefix-cache|stop-ids)$"
@@ -148,7 +148,7 @@ def test_check_server_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
 
 
 def test_scenario_prompts_follow_the_documented_rule():
-    # the LCG of INTERPRETING.md section 9, stepped by hand for seed 0: x1 = 1442695040888963407
+    # the LCG of INTERPRETING.md section 11, stepped by hand for seed 0: x1 = 1442695040888963407
     assert cs.lcg_tokens(0, 1, 2**31, set()) == [1442695040888963407 >> 33]
     assert cs.lcg_tokens(0, 1, 7, {(1442695040888963407 >> 33) % 7}) == [((1442695040888963407 >> 33) + 1) % 7]
     assert cs.build_prompt([{"seed": 3, "length": 7, "period": 3}], 272, set())[3:6] == cs.lcg_tokens(3, 3, 272, set())

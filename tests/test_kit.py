@@ -195,6 +195,9 @@ def test_the_pytest_plugin_runs_the_suite_as_an_engines_own_tests(kit, tmp_path)
     ops = sum(folder.name.startswith("op-") for folder in case_dirs())
     run = check([*pytest_, "--qwen35-engine", "reference"], tmp_path / "tests", env)
     assert f"{ops} passed" in run.stdout.splitlines()[-1], run.stdout
+    run = check([*pytest_[:-1], "^draws-spec-one-hot", "--qwen35-engine", "reference", "--qwen35-sample",
+                 "--qwen35-seed", "7"], tmp_path / "tests", env)
+    assert "1 passed" in run.stdout.splitlines()[-1], run.stdout            # the statistical pack's case
     run = check([*pytest_, "--qwen35-engine", "myengine.engine:MyEngine", "--qwen35-expectations=../mine.json"],
                 tmp_path / "tests", env)
     assert f"1 passed, {ops - 2} skipped, 1 xfailed" in run.stdout.splitlines()[-1], run.stdout

@@ -30,9 +30,13 @@ def test_the_rules_spec_parts_are_reference_py():
                                       R.speculative_outcomes(r.draft, r.q, R.probabilities(r.logits, r.sampling)))
 
 
+NO_UNIFORMS = np.zeros(0)       # a greedy decision takes none
+
+
 def supplied_uniform_rounds():
     """(case, round, uniforms, the golden's (accepted, next token) or None where a stop token cut it) of every decision
-    with supplied uniforms in the goldens, on the float32 logits an engine is compared with."""
+    with supplied uniforms, and every greedy acceptance, in the goldens, on the float32 logits an engine is compared
+    with."""
     for folder in case_dirs():
         meta = read_manifest(folder)
         inputs, expected = read_tensors(folder, INPUTS), read_tensors(folder, EXPECTED)
@@ -40,21 +44,22 @@ def supplied_uniform_rounds():
         if meta["kind"] == "sampling":
             for row, u, token in zip(inputs["logits"], inputs["uniforms"], expected["tokens"]):
                 yield meta["name"], rules.Round([], None, row[None], sampling), u[None], (0, int(token))
-        elif meta["kind"] == "speculative" and "uniforms" in inputs:
-            accepted = int(expected["accepted"][0])
-            yield (meta["name"], rules.Round(list(inputs["verify_tokens"][1:]), inputs["q"], expected["verify_logits"],
-                                             sampling), inputs["uniforms"], (accepted, int(expected["committed"][-1])))
+        elif meta["kind"] == "speculative" and "accepted" in expected:
+            accepted, draft = int(expected["accepted"][0]), list(inputs["verify_tokens"][1:])
+            yield (meta["name"], rules.Round(draft, inputs.get("q"), expected["verify_logits"], sampling),
+                   inputs.get("uniforms", NO_UNIFORMS), (accepted, int(expected["committed"][-1])))
         elif meta["kind"] == "trace":
             for b, batch in enumerate(trace_batches(meta["attrs"], inputs)):
                 for s, step in enumerate(batch):
                     rule = step.get("commit", {})
-                    if rule.get("accept") == "sampling":
+                    if rule.get("accept") in ("sampling", "greedy"):
                         prefix = f"b{b}.s{s}."
                         accepted, committed = int(expected[prefix + "accepted"][0]), expected[prefix + "committed"]
                         cut = len(committed) < accepted + 1
-                        r = rules.Round(step["tokens"][1:], rule["q"], expected[prefix + "logits"], R.sampling_of(rule))
-                        yield f"{meta['name']} {prefix}", r, rule["uniforms"], None if cut else (accepted,
-                                                                                                  int(committed[-1]))
+                        r = rules.Round(step["tokens"][1:], rule.get("q"), expected[prefix + "logits"],
+                                        R.sampling_of(rule))
+                        yield f"{meta['name']} {prefix}", r, rule.get("uniforms", NO_UNIFORMS), None if cut else (
+                            accepted, int(committed[-1]))
 
 
 ROUNDS = list(supplied_uniform_rounds())
@@ -90,7 +95,7 @@ def wrong_engine(rule):
 
 @pytest.mark.parametrize("rule", rules.WRONG, ids=lambda rule: rule.name)
 def test_each_wrong_rule_as_an_engine_fails_a_case(rule, capsys):
-    results, code, out = run_quietly(wrong_engine(rule), capsys, pattern="^(sampling-|spec-tiny-dense-)",
-                                     expectations={})
+    results, code, out = run_quietly(wrong_engine(rule), capsys, expectations={}, diagnose=False,
+                                     pattern="^(sampling-|spec-tiny-dense-|trace-greedy-rematch-tiny-draft-)")
     failed = sorted(name for name, r in results.items() if r.status == "FAIL")
     assert code == 1 and failed, out

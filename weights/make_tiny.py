@@ -18,12 +18,11 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import reference  # (the one table of tensor names and shapes)
+from conformance.published import EOS, byte_level_tokenizer, random_tensor  # noqa: F401 (shared with the kit)
 
 HERE = Path(__file__).resolve().parent
-EOS = "<|endoftext|>"
 
 BASE = dict(
     model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], vocab_size=272, hidden_size=64,
@@ -51,34 +50,6 @@ CHECKPOINTS = {
     "tiny-multimodal": (dict(tie_word_embeddings=False, mtp_num_hidden_layers=1), {"mtp": True, "multimodal": True}),
     "tiny-draft": (dict(num_hidden_layers=2, full_attention_interval=2, hidden_size=32, intermediate_size=48), {}),
 }
-
-
-def byte_level_tokenizer():
-    """256 byte tokens (ids in sorted order of GPT-2's byte-to-unicode alphabet) and <|endoftext|> = 256."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([EOS])
-    return tokenizer
-
-
-def random_tensor(name, shape, rng, dtype=np.float64):
-    """Weights spread around their init: N(0, 1/fan_in) matrices, norm offsets near 0, A and dt_bias spread wide.
-    (float32 draws halve the time and memory of big benchmark checkpoints; the committed ones use float64 draws.)"""
-    def normal(mean, std):
-        return mean + std * rng.standard_normal(shape, dtype=dtype)
-    if name.endswith("A_log"):
-        return np.log(rng.uniform(0.5, 8.0, shape))
-    if name.endswith("dt_bias"):
-        return normal(0.0, 1.0)
-    if name.endswith("linear_attn.norm.weight"):
-        return normal(1.0, 0.2)
-    if len(shape) == 1:  # zero-centred RMSNorm offsets
-        return normal(0.0, 0.2)
-    if name.endswith("embed_tokens.weight"):
-        return normal(0.0, 1.0)
-    return normal(0.0, shape[-1] ** -0.5)
 
 
 def checkpoint_tensors(cfg, seed, options, dtype=np.float64):

@@ -47,21 +47,32 @@ libllama_errors = []
 # ----------------------------------------------------------------------------------------------------------------
 # Conversion.
 
+def vendored_llama_cpp(into, parts=None):
+    """The installed version's llama.cpp source as its sdist vendors it: into/llama_cpp_python-VERSION/vendor/llama.cpp,
+    fetched once with `pip download`, with only the top-level entries named in `parts` extracted (all if None)."""
+    version = llama_cpp.__version__
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "-d", tmp, f"llama-cpp-python=={version}"], check=True)
+        with tarfile.open(next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))) as sdist:
+            wanted = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+            members = [m for m in sdist.getmembers() if m.name.startswith(wanted) and
+                       (parts is None or m.name[len(wanted):].split("/")[0] in parts)]
+            sdist.extractall(into, members=members, filter="data")
+    return vendored_folder(into)
+
+
+def vendored_folder(into):
+    return Path(into) / f"llama_cpp_python-{llama_cpp.__version__}" / "vendor" / "llama.cpp"
+
+
 def converter_dir():
     """The sdist's vendor/llama.cpp folder (convert_hf_to_gguf.py, conversion/, gguf-py/) for the installed version."""
     if os.environ.get(CONVERTER_ENV):
         return Path(os.environ[CONVERTER_ENV])
-    version = llama_cpp.__version__
-    folder = CACHE / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    folder = vendored_folder(CACHE)
     if not (folder / "convert_hf_to_gguf.py").is_file():
-        with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                            "-d", tmp, f"llama-cpp-python=={version}"], check=True)
-            with tarfile.open(next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))) as sdist:
-                wanted = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-                members = [m for m in sdist.getmembers() if m.name.startswith(wanted) and
-                           m.name[len(wanted):].split("/")[0] in ("convert_hf_to_gguf.py", "conversion", "gguf-py")]
-                sdist.extractall(CACHE, members=members, filter="data")
+        vendored_llama_cpp(CACHE, ("convert_hf_to_gguf.py", "conversion", "gguf-py"))
     return folder
 
 
@@ -435,7 +446,8 @@ def trace_step(served, cache, step, logits, accept):
                           lambda start, n: served.keep(request, start, n), accept, None)
         r = R.speculative_round(target, None, tokens, rule.get("q"), R.sampling_of(rule), rule.get("uniforms"),
                                 rule.get("stop", ()), rule.get("keep"))
-        decided = {} if r.committed is None else {"accepted": r.accepted, "committed": r.committed}
+        decided = {} if r.committed is None else {"accepted": r.accepted, "committed": r.committed,
+                                                  "finished": R.finished(r.committed, rule.get("stop", ()))}
         return {"logits": r.logits, **decided}
     if op == "snapshot":
         cache[step["key"]] = served.save(request)

@@ -162,7 +162,8 @@ def register(mutant):
 def first_catch(mutant):
     """The traces against the mutant, stopping at the first unexpected result -> that result (None: not caught)."""
     try:
-        results, code = runner.run(register(mutant), TRACES, out=io.StringIO(), progress=io.StringIO(), fail_fast=True)
+        results, code = runner.run(register(mutant), TRACES, out=io.StringIO(), progress=io.StringIO(), fail_fast=True,
+                                   diagnose=False)
     finally:
         ENGINES.pop(engine_name(mutant), None)
     return results[-1] if code else None

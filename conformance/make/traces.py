@@ -59,16 +59,19 @@ class TraceBuilder:
         self.live[request] = Live(state, int(np.argmax(logits[-1])))
         self.slots = max(self.slots, len(self.live))
 
-    def verify(self, request, k=DRAFT_LEN, accept=None, keep=None, sampling=None, stop_at=None):
+    def verify(self, request, k=DRAFT_LEN, accept=None, keep=None, sampling=None, stop_at=None, rematch=False,
+               padding_accepted=False):
         """One verify row and its commit. accept=a: drafts the target accepts exactly a of (greedy, or sampled with
         `sampling`); keep=n: random drafts, n positions kept whatever the target says; k=0: a plain decoding row.
-        stop_at=j: the j-th committed token is made a stop token, so the committed tokens end there."""
+        stop_at=j: the j-th committed token is made a stop token, so the committed tokens end there. rematch: greedy
+        drafts after the rejected one that match the target again. padding_accepted: the target's new token repeats
+        the row's last token (what an engine padding the row by repetition would then accept)."""
         live = self.live[request]
         if keep is not None:
             drafts, rule = [int(t) for t in self.rng.integers(0, self.cfg.vocab_size, k)], {"keep": keep}
             arrays = {}
         elif sampling is None or sampling.temperature == 0:
-            drafts, path = self.greedy_drafts(live, k, accept)
+            drafts, path = (self.rematching_drafts if rematch else self.greedy_drafts)(live, k, accept)
             rule, arrays = {"accept": "greedy", "stop": []}, {}
             if stop_at is not None:
                 rule["stop"] = [path[stop_at]]
@@ -90,6 +93,8 @@ class TraceBuilder:
             if missed:
                 raise Redraw(f"{self.name} {prefix}: {missed} would decide as the spec does")
             last = r.committed[-1]
+            if padding_accepted and last != ([live.last] + drafts)[-1]:
+                raise Redraw(f"{self.name} {prefix}: the new token does not repeat the row's last token")
         else:
             last = int(np.argmax(r.logits[keep - 1]))
         self.live[request] = Live(r.state, last)
@@ -127,6 +132,18 @@ class TraceBuilder:
         path, runners_up = self.greedy_path(live, accept + 1)
         noise = [int(t) for t in self.rng.integers(0, self.cfg.vocab_size, max(k - accept - 1, 0))]
         return (path[:accept] + ([runners_up[accept]] + noise if accept < k else [])), path
+
+    def rematching_drafts(self, live, k, accept):
+        """Drafts following the greedy path for `accept` tokens, then the runner-up (rejected), then each the
+        target's argmax given the drafts before it: they match again, which only longest-prefix acceptance ignores."""
+        drafts, path = self.greedy_drafts(live, min(accept + 1, k), accept)
+        while len(drafts) < k:
+            logits, _ = self.target.extend(live.state, [live.last] + drafts)
+            token, _, tied = G.runner_up(logits[-1])
+            if tied:
+                raise Redraw(f"{self.name}: near-tie after a rejected draft")
+            drafts.append(token)
+        return drafts, path
 
     # ------------------------------------------------------------------------------------------------------------
     # The case
@@ -438,11 +455,53 @@ def soak(t, sampling=None):
                 t.verify(r, keep=int(t.rng.integers(1, DRAFT_LEN + 2)))
 
 
+def ragged_drafts(t, sampling=None):
+    """Rows verifying 1, 2, 3 and K drafts and rows without drafts side by side, accepting all or some of theirs;
+    requests a, b and c, on a repeated-token prompt, accept everything and then get their last token again, so an
+    engine that pads a short row to K by repeating its last token and lets acceptance run into the padding keeps more
+    tokens than the row verified."""
+    for r in "abcde":
+        t.prefill(r, t.tokens(1) * 12 if r in "abc" else t.tokens(10 + 2 * "abcde".index(r)))
+    for rows in (((0, 0), (1, 1), (2, 2), (3, 1), (DRAFT_LEN, DRAFT_LEN)),
+                 ((3, 3), (0, 0), (DRAFT_LEN, 2), (2, 0), (1, 1)),
+                 ((1, 0), (2, 2), (0, 0), (DRAFT_LEN, 3), (3, 3))):
+        t.end_batch()
+        for r, (k, a) in zip("abcde", rows):
+            t.verify(r, k=k, accept=a, sampling=sampling,
+                     padding_accepted=sampling is None and r in "abc" and a == k)
+
+
+def greedy_rematch(t, sampling=None):
+    """Greedy rows whose drafts after the first rejected one match the target's argmax again: longest-prefix
+    acceptance and counting the matches decide them differently."""
+    for r in "abc":
+        t.prefill(r, t.tokens(11 + 3 * "abc".index(r)))
+    for accepts in ((0, 1, 2), (2, 0, DRAFT_LEN - 2), (1, DRAFT_LEN - 2, 0)):
+        t.end_batch()
+        for r, a in zip("abc", accepts):
+            t.verify(r, accept=a, rematch=True)
+
+
+PER_ROW_SETTINGS = (None, R.Sampling(4.0, 40, 0.9), R.Sampling(3.0, 0, 0.8), R.Sampling(6.0, 20, 1.0))
+
+
+def per_row_settings(t, sampling=None):
+    """Every row with its own settings, greedy and sampled rows (with and without drafts) mixed in every batch: an
+    engine must not apply one row's temperature, top-k or top-p to another, nor one rule to the whole batch."""
+    for r in "abcd":
+        t.prefill(r, t.tokens(9 + 3 * "abcd".index(r)))
+    for b, accepts in enumerate(((2, 0, DRAFT_LEN, 1), (None, 3, 1, 0), (1, 2, None, DRAFT_LEN))):
+        t.end_batch()
+        for j, (r, a) in enumerate(zip("abcd", accepts)):
+            settings = PER_ROW_SETTINGS[(b + j) % len(PER_ROW_SETTINGS)]
+            t.verify(r, k=0, accept=0, sampling=settings) if a is None else t.verify(r, accept=a, sampling=settings)
+
+
 SCENARIOS = {f.__name__.replace("_", "-"): f for f in (
     mixed_accepts, zero_draft_after_accept, prefill_only_batch, accept_edges, stop_inside_accepted,
     snapshot_after_partial_accept, prefix_cache_on_trained_model, restore_at_chunk_boundary,
     chunked_prefill_across_chunk, release_and_reuse, same_prompt_diverge, verify_width_prompt_chunks, long_context,
-    plain_decoding, soak)}
+    plain_decoding, soak, ragged_drafts, greedy_rematch, per_row_settings)}
 
 
 # Sampled traces draw at a temperature far enough from 1 that drawing at temperature 1 (a usual mistake) changes
@@ -468,11 +527,16 @@ MATRIX += [("zero-draft-after-accept", DENSE, SAMPLING)]
 MATRIX += [(scenario, MOE, GREEDY) for scenario in (
     "mixed-accepts", "zero-draft-after-accept", "chunked-prefill-across-chunk", "plain-decoding")]
 MATRIX += [("zero-draft-after-accept", MOE, SAMPLING), ("prefix-cache-on-trained-model", "default", GREEDY)]
+# The decisions the traces above never force: ragged draft counts, matches after a mismatch, per-row settings.
+MIXED = "mixed"     # the scenario gives each row its own settings
+MATRIX += [("ragged-drafts", SMALL, GREEDY), ("ragged-drafts", SMALL, SAMPLING_SHARP), ("greedy-rematch", SMALL, GREEDY),
+           ("greedy-rematch", DENSE, GREEDY), ("per-row-settings", SMALL, MIXED)]
 ATTEMPTS = 200      # scenarios are redrawn (new prompts) until no decision sits near a tie
 
 
 def trace_case(scenario, checkpoint, sampling):
-    name = f"trace-{scenario}-{checkpoint}-{'greedy' if sampling is None else 'sampling'}"
+    label = sampling if isinstance(sampling, str) else 'greedy' if sampling is None else 'sampling'
+    name = f"trace-{scenario}-{checkpoint}-{label}"
     for attempt in range(ATTEMPTS):
         t = TraceBuilder(name, checkpoint, attempt)
         try:

@@ -1,0 +1,340 @@
+"""The DFlash block drafter (reference.py, docs/dflash.md): exact through the verifier (greedy tokens of plain
+decoding under both rollbacks; the target's distribution when sampling, by chi-square), its block logits against a
+from-scratch computation written out here over several rounds with partial accepts (which fails when the first slot
+is a mask, the cache is not cropped, the wrong layers are tapped or the features are not normed), its checkpoint
+loader and its --draft forms' one-line errors."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import reference as R
+from conftest import ROOT, model
+from test_self_speculative import SAMPLING, SAMPLING_RUNS, output_counts, small_model_with_mtp
+from test_speculative import NEW_TOKENS, PROMPT, chi_square_p_value, exact_distribution, plain_greedy
+from weights.make_tiny_dflash import CONFIG, random_dflash_tensors
+
+DIR = ROOT / "weights" / "tiny-mtp-dflash"
+SPECS = ["dflash", "dflash-sampled"]
+
+
+def tiny(dtype=np.float64):  # the tiny-mtp target and its committed random DFlash drafter
+    cfg, params = model("tiny-mtp", dtype)
+    dcfg, dparams = R.load_dflash(DIR, cfg)
+    return cfg, params, dcfg, R.cast(dparams, dtype)
+
+
+def drafter(spec, dtype=np.float32):
+    cfg, params, dcfg, dparams = tiny(dtype)
+    return R.dflash_drafter(spec, params, cfg, dparams, dcfg, sampled=spec == "dflash-sampled")
+
+
+# --- Exactness ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rollback", R.ROLLBACK_STRATEGIES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_greedy_speculative_equals_plain(spec, rollback):
+    cfg, params = model("tiny-mtp")
+    for K in (1, 4, 7):
+        tokens, stats = R.generate_speculative(params, cfg, PROMPT, NEW_TOKENS, R.Sampling(), np.random.default_rng(0),
+                                               drafter(spec), K, rollback)
+        assert tokens == plain_greedy("tiny-mtp"), (K, stats)
+
+
+def small_dflash(sampled, taps=(1, 0)):
+    """A random DFlash drafter for test_self_speculative's 4-token model (2 layers): drafts get accepted and
+    rejected, and its distributions are broad enough for a wrong q to show."""
+    cfg, params = small_model_with_mtp()
+    dcfg = R.DFlashConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                          intermediate_size=16, rms_norm_eps=1e-6, rope_theta=10000.0, target_layer_ids=taps,
+                          mask_token_id=3, block_size=3)
+    dparams = R.nested_params(random_dflash_tensors(cfg, dcfg, seed=5))
+    return cfg, params, R.dflash_drafter("dflash", params, cfg, dparams, dcfg, sampled)
+
+
+@pytest.mark.parametrize("rollback", R.ROLLBACK_STRATEGIES)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_greedy_equals_plain_with_drafts_accepted_and_rejected(sampled, rollback):
+    cfg, params, d = small_dflash(sampled)
+    prompt = [1, 2, 3, 1, 2]
+    plain, _ = R.generate(params, cfg, prompt, 30, R.Sampling(), np.random.default_rng(0))
+    for K in (1, 2, 5):
+        tokens, stats = R.generate_speculative(params, cfg, prompt, 30, R.Sampling(), np.random.default_rng(0), d, K,
+                                               rollback)
+        assert tokens == plain, (K, stats)
+        assert 0 < stats["accepted"] < stats["proposed"], stats
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_speculative_sampling_with_the_drafter_preserves_the_distribution(sampled):
+    """The first 3 generated tokens over 2,000 seeded runs follow plain sampling's exact distribution, for argmax
+    proposals with a one-hot q and for each slot drawn from the drafter's softmax."""
+    cfg, params, d = small_dflash(sampled)
+    counts = output_counts(cfg, params, d, SAMPLING, SAMPLING_RUNS)
+    assert chi_square_p_value(counts, exact_distribution(cfg, params, [1, 2, 3, 1, 2], 3, SAMPLING),
+                              SAMPLING_RUNS) > 1e-3
+
+
+def test_the_sampling_check_catches_a_wrong_q():
+    """The check above has power at its run count: slots drawn from the drafter's softmax but reported with a
+    uniform q fail it."""
+    cfg, params, d = small_dflash(True)
+
+    def uniform_q(*args):
+        tokens, q, state = d.propose(*args)
+        return tokens, np.full_like(q, 1 / cfg.vocab_size), state
+    counts = output_counts(cfg, params, d._replace(propose=uniform_q), SAMPLING, SAMPLING_RUNS)
+    assert chi_square_p_value(counts, exact_distribution(cfg, params, [1, 2, 3, 1, 2], 3, SAMPLING),
+                              SAMPLING_RUNS) < 1e-6
+
+
+def test_sampled_slots_follow_the_q_reported():
+    """Each slot is drawn independently from its q: over 2,000 draws the first two slots' frequencies fit q[0], q[1]."""
+    cfg, params, d = small_dflash(True)
+    prompt = [1, 2, 3, 1, 2, 0]
+    _, tapped, _, _ = R.forward(params, cfg, prompt[:-1], R.empty_state(cfg), d.taps)
+    counts = [{}, {}]
+    for seed in range(2_000):
+        tokens, q, _ = d.propose(d.initial_state, prompt, tapped, 2, R.Sampling(1.0), np.random.default_rng(seed))
+        for i in range(2):
+            counts[i][(tokens[i],)] = counts[i].get((tokens[i],), 0) + 1
+    for i in range(2):
+        assert chi_square_p_value(counts[i], {(t,): p for t, p in enumerate(q[i])}, 2_000) > 1e-3
+
+
+# --- The block logits, written out ---------------------------------------------------------------------------------
+
+def norm(x, w, eps=1e-6):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def target_layer_outputs(params, cfg, tokens):  # -> [(T, D) after each target layer]
+    x, positions, outputs = params["embed_tokens"][tokens], np.arange(len(tokens)), []
+    for kind, layer, state in zip(cfg.layer_types, params["layers"], R.empty_state(cfg).layers):
+        x, _, _ = R.decoder_layer(x, kind, layer, state, positions, cfg)
+        outputs.append(x)
+    return outputs
+
+
+def written_out_logits(committed, k, taps=None, dcfg=None):
+    """From scratch, no cache: the target's outputs after layers target_layer_ids at every committed position but
+    the last, concatenated, fc, hidden_norm; the block [last committed, MASK x k] at positions P..P+k (P = the last
+    committed token's position); each drafter layer: queries from the normed block, keys and values from [features;
+    normed block], k_norm and RoPE on every key, full attention; the logits of the k mask slots."""
+    cfg, params, tiny_dcfg, dp = tiny()
+    dcfg = dcfg or tiny_dcfg
+    P, eps = len(committed) - 1, dcfg.rms_norm_eps
+    outputs = target_layer_outputs(params, cfg, committed[:-1])
+    features = norm(np.concatenate([outputs[i] for i in taps or dcfg.target_layer_ids], -1) @ dp["fc"].T,
+                    dp["hidden_norm"], eps)
+    x = params["embed_tokens"][[committed[-1]] + [dcfg.mask_token_id] * k]
+    H, G, Dh = dcfg.num_key_value_heads, dcfg.num_attention_heads // dcfg.num_key_value_heads, dcfg.head_dim
+    block_positions, all_positions = P + np.arange(k + 1), np.arange(P + k + 1)
+    for i, layer in enumerate(dp["layers"]):
+        a, h = layer["self_attn"], norm(x, layer["input_layernorm"], eps)
+        hidden_from = np.zeros((k + 1, P + k + 1), bool)     # a sliding layer: causal, and the window
+        if dcfg.layer_types and dcfg.layer_types[i] == "sliding_attention":
+            for slot, position in enumerate(block_positions):
+                hidden_from[slot] = (all_positions > position) | (position - all_positions >= dcfg.sliding_window)
+        q = R.rope(norm((h @ a["q_proj"].T).reshape(k + 1, H * G, Dh), a["q_norm"], eps), block_positions,
+                   dcfg.rope_theta, Dh)
+        kv_in = np.concatenate([features, h])
+        keys = R.rope(norm((kv_in @ a["k_proj"].T).reshape(-1, H, Dh), a["k_norm"], eps), all_positions,
+                      dcfg.rope_theta, Dh)
+        values = (kv_in @ a["v_proj"].T).reshape(-1, H, Dh)
+        out = np.zeros((k + 1, H * G, Dh))
+        for head in range(H * G):
+            scores = keys[:, head // G] @ q[:, head].T / np.sqrt(Dh)              # (S, B)
+            out[:, head] = R.softmax(np.where(hidden_from, -np.inf, scores.T)) @ values[:, head // G]
+        x = x + out.reshape(k + 1, -1) @ a["o_proj"].T
+        m = layer["mlp"]
+        g = norm(x, layer["post_attention_layernorm"], eps)
+        x = x + (R.silu(g @ m["gate_proj"].T) * (g @ m["up_proj"].T)) @ m["down_proj"].T
+    return norm(x[1:], dp["norm"], eps) @ params["lm_head"].T
+
+
+ROUNDS = [(4, 2), (3, 0), (4, 4), (2, 1), (5, 3)]   # (k, accepted drafts): partial, none, all, ...
+
+
+def block_distributions_over_rounds(d):
+    """Runs d (dflash-sampled, temperature 1) over ROUNDS from PROMPT + [7]: each round keeps `accepted` drafts and
+    a token of its own, and feeds the kept positions' tapped outputs at the next propose. -> [(committed, k, q)]."""
+    cfg, params = model("tiny-mtp", np.float64)
+    committed, state, seen = PROMPT + [7], d.initial_state, []
+    new_hidden = R.forward(params, cfg, PROMPT, R.empty_state(cfg), d.taps)[1]
+    for r, (k, accepted) in enumerate(ROUNDS):
+        tokens, q, state = d.propose(state, committed, new_hidden, k, R.Sampling(1.0), np.random.default_rng(r))
+        seen.append((list(committed), k, q))
+        kept = [committed[-1]] + tokens[:accepted]
+        committed = committed + tokens[:accepted] + [(11 * r + 3) % cfg.vocab_size]
+        new_hidden = R.forward(params, cfg, committed[:-1], R.empty_state(cfg), d.taps)[1][-len(kept):]
+    return seen
+
+
+def test_block_logits_over_rounds_with_partial_accepts_are_the_written_out_ones():
+    for committed, k, q in block_distributions_over_rounds(drafter("dflash-sampled", np.float64)):
+        np.testing.assert_allclose(q, R.softmax(written_out_logits(committed, k)), atol=1e-9)
+
+
+def test_a_sliding_layer_is_causal_within_its_window():
+    """The published Qwen3.5 drafters' first layers: sliding_attention with no is_causal, which z-lab's
+    dflash/model.py runs causally and within sliding_window; a window of 6 cuts into the context here."""
+    cfg, params, dcfg, dparams = tiny()
+    sliding = R.DFlashConfig(**{**dcfg.__dict__, "layer_types": ("sliding_attention", "full_attention"),
+                                "sliding_window": 6})
+    d = R.dflash_drafter("dflash-sampled", params, cfg, dparams, sliding, sampled=True)
+    for committed, k, q in block_distributions_over_rounds(d):
+        np.testing.assert_allclose(q, R.softmax(written_out_logits(committed, k, dcfg=sliding)), atol=1e-9)
+    worst = max(np.abs(q - R.softmax(written_out_logits(committed, k))).max()
+                for committed, k, q in block_distributions_over_rounds(d))
+    assert worst > 1e-3   # the window and the causal mask matter here
+
+
+def mutants(monkeypatch, name):
+    """The port mistakes that lose acceptance without a wrong token, applied to the reference drafter."""
+    if name == "mask in the first slot":
+        monkeypatch.setattr(R, "dflash_block_tokens", lambda context, k, mask: [mask] * (k + 1))
+    elif name == "no crop":     # the block's keys and values stay in the cache; positions go on as if cropped
+        monkeypatch.setattr(R, "dflash_crop", lambda state, length: R.DFlashState(state.layers, length))
+    elif name == "features not normed":
+        monkeypatch.setattr(R, "dflash_features", lambda dparams, dcfg, tapped: tapped @ dparams["fc"].T)
+    d = drafter("dflash-sampled", np.float64)
+    return d._replace(taps=d.taps[::-1]) if name == "taps in the wrong order" else d
+
+
+@pytest.mark.parametrize("name", ["mask in the first slot", "no crop", "features not normed",
+                                  "taps in the wrong order"])
+def test_each_port_mistake_changes_the_block_logits(monkeypatch, name):
+    """The written-out check above has power against each mistake: some round's distributions differ (no crop
+    shows only after the first round, as a cache does)."""
+    rounds = block_distributions_over_rounds(mutants(monkeypatch, name))
+    monkeypatch.undo()
+    worst = max(np.abs(q - R.softmax(written_out_logits(committed, k))).max() for committed, k, q in rounds)
+    assert worst > 1e-3, name
+
+
+def test_the_first_round_does_not_see_a_missing_crop(monkeypatch):
+    """So the check needs several rounds: a cache never cropped matches until a block has been run."""
+    (committed, k, q), *_ = block_distributions_over_rounds(mutants(monkeypatch, "no crop"))
+    monkeypatch.undo()
+    np.testing.assert_allclose(q, R.softmax(written_out_logits(committed, k)), atol=1e-9)
+
+
+def test_the_tapped_features_are_the_target_layers_outputs():
+    cfg, params = model("tiny-mtp", np.float64)
+    outputs = target_layer_outputs(params, cfg, PROMPT)
+    _, tapped, _, _ = R.forward(params, cfg, PROMPT, R.empty_state(cfg), (1, 6, 3))
+    np.testing.assert_allclose(tapped, np.concatenate([outputs[1], outputs[6], outputs[3]], -1), atol=1e-12)
+
+
+def test_argmax_proposals_are_the_written_out_argmax_with_a_one_hot_q():
+    d = drafter("dflash", np.float64)
+    cfg, params = model("tiny-mtp", np.float64)
+    committed = PROMPT + [7]
+    tapped = R.forward(params, cfg, PROMPT, R.empty_state(cfg), d.taps)[1]
+    tokens, q, _ = d.propose(d.initial_state, committed, tapped, 4, R.Sampling(1.0), np.random.default_rng(0))
+    assert tokens == list(written_out_logits(committed, 4).argmax(-1))
+    np.testing.assert_array_equal(q, R.one_hot(tokens, cfg.vocab_size))
+
+
+# --- Loader and command line ---------------------------------------------------------------------------------------
+
+def edited(tmp_path, **changes):  # a copy of the tiny drafter with config fields changed (None: removed)
+    out = tmp_path / "drafter"
+    shutil.copytree(DIR, out)
+    raw = json.loads(json.dumps(CONFIG))
+    for key, value in changes.items():
+        section = raw["dflash_config"] if key in raw["dflash_config"] else raw
+        if value is None:
+            section.pop(key)
+        else:
+            section[key] = value
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden_size": 32}, r"hidden_size=32 differs from the target's 64"),
+    ({"num_target_layers": 4}, r"num_target_layers=4 differs from the target's 8"),
+    ({"target_layer_ids": [1, 8]}, r"target_layer_ids=\[1, 8\] must be distinct layers of the target's \[0, 7\]"),
+    ({"target_layer_ids": [1, 1]}, r"must be distinct layers"),
+    ({"target_layer_ids": [1, 3]}, r"tensor fc.weight has shape \(64, 192\), expected \(64, 128\)"),
+    ({"mask_token_id": 272}, r"mask_token_id=272 is outside the vocabulary \[0, 272\)"),
+    ({"mask_token_id": None}, r"required field 'mask_token_id' is missing"),
+    ({"block_size": 1}, r"block_size=1 must be in \[2, 33\]"),
+    ({"num_hidden_layers": 3}, r"tensor layers.2.input_layernorm.weight is missing"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"architectures": ["DFlash2DraftModel"]}, r"DFlash2DraftModel .* is not supported"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, r"required field 'sliding_window' is missing"),
+    ({"layer_types": ["chunked_attention", "full_attention"]}, r"must be full_attention or sliding_attention"),
+    ({"layer_types": ["full_attention"]}, r"1 layer_types for num_hidden_layers=2"),
+    ({"output_multiplier": 0.5}, r"output_multiplier=0.5 is not supported"),
+    ({"is_causal": "yes"}, r"is_causal='yes' must be true, false or null"),
+])
+def test_bad_drafter_checkpoints_are_one_line_and_exit_2(changes, message, tmp_path, capsys):
+    path = edited(tmp_path, **changes)
+    code = R.main(["--model", str(ROOT / "weights" / "tiny-mtp"), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                   "--draft", f"dflash:{path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "dflash:"], r"--draft dflash:: expected dflash:DIR"),
+    (["--draft", "dflash"], r"--draft dflash: expected dflash:DIR"),
+    (["--draft", "dflash:/nowhere"], r"DFlash directory /nowhere does not exist"),
+    (["--draft", f"dflash-sampled:{DIR}"], r"DFlash config: hidden_size=64 differs from the target's"),  # default model
+])
+def test_bad_dflash_forms_are_one_line_and_exit_2(args, message, capsys):
+    assert R.main(["--prompt-ids", "1,2", "--max-new-tokens", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_the_command_lines_run_or_refuse_the_drafter():
+    base = [sys.executable, "reference.py", "--model", "weights/tiny-mtp", "--prompt-ids", "5,17,200,33",
+            "--max-new-tokens", "12", "--json"]
+    plain = json.loads(subprocess.run(base, cwd=ROOT, capture_output=True, text=True, check=True).stdout)["tokens"]
+    for spec in SPECS:
+        run = subprocess.run(base + ["--draft", f"{spec}:weights/tiny-mtp-dflash"], cwd=ROOT, capture_output=True,
+                             text=True)
+        assert run.returncode == 0 and json.loads(run.stdout)["tokens"] == plain, run.stderr
+    run = subprocess.run([sys.executable, "-m", "jax_impl", "--model", "weights/tiny-mtp", "--prompt-ids", "1,2",
+                          "--draft", "dflash:weights/tiny-mtp-dflash"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "jax_impl runs none, ngram and mtp" in run.stderr and "dflash" in run.stderr
+
+
+def test_the_tiny_drafter_is_what_its_script_writes(tmp_path):
+    from weights.make_tiny_dflash import digest, write
+    write(tmp_path)
+    assert digest(tmp_path) == digest(DIR)
+
+
+def test_a_published_qwen35_drafters_config_loads_with_its_tensor_count_and_size():
+    """The config of z-lab's Qwen3.5-4B drafter as ports quote it, against the Qwen3.5-4B target: six Qwen3 layers
+    (five sliding), eight taps, block 16; the ports' manifest gives 69 tensors and 634,425,856 parameters."""
+    from conformance.published import published_config
+    cfg = R.config_from_dict(published_config("Qwen3.5-4B", 32, vocab=248320))
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 2560,
+           "intermediate_size": 9216,
+           "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "vocab_size": 248320, "num_target_layers": 32, "rms_norm_eps": 1e-6, "attention_bias": False,
+           "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 4096,
+           "use_sliding_window": True, "tie_word_embeddings": True, "pad_token_id": None,
+           "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
+           "dflash_config": {"block_size": 16, "mask_token_id": 248077,
+                             "target_layer_ids": [1, 5, 9, 13, 17, 21, 25, 29]}}
+    dcfg = R.dflash_config_from_dict(raw, cfg)
+    assert (dcfg.block_size, dcfg.mask_token_id, dcfg.sliding_window, dcfg.rope_theta) == (16, 248077, 4096, 1e7)
+    assert dcfg.target_layer_ids == (1, 5, 9, 13, 17, 21, 25, 29) and dcfg.is_causal is None
+    shapes = R.dflash_shapes(cfg, dcfg)
+    assert shapes["fc.weight"] == (2560, 8 * 2560)
+    assert len(shapes) == 69 and sum(int(np.prod(s)) for s in shapes.values()) == 634_425_856

@@ -1,0 +1,53 @@
+"""llama.cpp's llama-server (tests/llama_server.py: built once into the user's cache from the llama.cpp source
+llama-cpp-python vendors, started as a real process on a free localhost port, stopped even on failure) serving
+tiny-mtp's GGUF (the llama_cpp engine's conversion), read through check-server's llama-server dialect."""
+
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import reference as R
+from conftest import ROOT
+from conformance import check_server as cs
+from conformance.server_dialects import DIALECTS, ServerRequest
+from conformance.engines.llama_cpp import gguf_file
+from llama_server import llama_server
+
+MODEL = ROOT / "weights" / "tiny-mtp"
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return gguf_file(MODEL)
+
+
+def completion(url, body):
+    request = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_one_request_is_the_specs_greedy_continuation_with_its_logprobs(gguf, tmp_path):
+    """The dialect's reading of a real answer: ids in `tokens`, one log-probability each, the limit as "length"."""
+    prompt = [50, 197, 163, 112, 121, 220, 9, 221, 49, 193, 27, 21]
+    dialect = DIALECTS["llama-server"]
+    with llama_server(gguf, tmp_path / "server.log", slots=1) as url:
+        chunk = dialect.chunk(completion(url, dialect.body(ServerRequest(prompt, 12), "tiny-mtp")))
+    cfg, params = R.load_model(MODEL)
+    logits = R.forward(params, cfg, prompt + chunk.ids, R.empty_state(cfg))[0][len(prompt) - 1:-1]
+    assert chunk.ids == [int(np.argmax(z)) for z in logits] and chunk.finish == "length"
+    spec_logprobs = [float(z[t] - z.max() - np.log(np.exp(z - z.max()).sum())) for z, t in zip(logits, chunk.ids)]
+    np.testing.assert_allclose(chunk.logprobs, spec_logprobs, atol=cs.RULES["logprob_atol"]["float32"])
+
+
+def test_the_server_is_stopped_even_when_the_test_fails(gguf, tmp_path):
+    with pytest.raises(ZeroDivisionError):
+        with llama_server(gguf, tmp_path / "server.log", slots=1) as url:
+            assert completion(url, {"prompt": [1, 2, 3], "n_predict": 2, "return_tokens": True})["tokens"]
+            1 / 0
+    with pytest.raises(urllib.error.URLError):
+        completion(url, {"prompt": [1, 2, 3], "n_predict": 2})
