@@ -553,6 +553,10 @@ def until_stop(tokens, stop):  # committed tokens end at the first stop (EOS) to
     return tokens[:end]
 
 
+def finished(committed, stop):  # a request is finished when its committed tokens end at a stop token -> 0 or 1
+    return int(bool(committed) and committed[-1] in stop)
+
+
 # A round, and a serving trace of many, run against a Target: the model being decoded as pure functions over its
 # explicit state. reference_target is this file's; the conformance runner wraps an engine under test in one.
 
@@ -595,7 +599,8 @@ def speculative_round(target, state, tokens, q, sampling, u, stop=(), keep=None)
 def run_trace(target, batches):
     """A serving trace (conformance/INTERPRETING.md, section 4): batches of steps on named requests, run in order.
     Requests map to states and prefix-cache keys to copies of them. Yields (batch, step, outputs) after each step:
-    prefill -> the last row's logits; verify (and its commit) -> logits, decisions, state; restore -> state."""
+    prefill -> the last row's logits; verify (and its commit) -> logits, decisions (and whether the request has
+    finished), state; restore -> state."""
     requests, cache = {}, {}
     for b, batch in enumerate(batches):
         for s, step in enumerate(batch):
@@ -610,7 +615,8 @@ def run_trace(target, batches):
                 requests[name] = r.state
                 out.update(logits=r.logits, state=r.state)
                 if r.committed is not None:
-                    out.update(accepted=r.accepted, committed=r.committed)
+                    out.update(accepted=r.accepted, committed=r.committed, finished=finished(r.committed,
+                                                                                           rule.get("stop", ())))
             elif op == "snapshot":
                 cache[step["key"]] = target.copy(requests[name])
             elif op == "restore":             # a new request starting from a prefix-cache entry

@@ -61,6 +61,12 @@ def parse_args(argv):
     ap.add_argument("--matvec", choices=matvec.MODES, default=matvec.mode)
     ap.add_argument("--steps-per-sync", type=int, default=16, help="device steps between reads of the results")
     ap.add_argument("--cache-bytes", type=int, default=2**30, help="the prefix cache's size")
+    ap.add_argument("--max-draft-len", type=int, help="pin every step's K (requests with longer drafts are refused): "
+                    "with --step-width and --all-features, one step program compiled for the server's life")
+    ap.add_argument("--step-width", type=int, help="pin every step's T (prompts prefilled in chunks of it); needs "
+                    "--max-draft-len")
+    ap.add_argument("--all-features", action="store_true", help="compile sampling (top-k, top-p) and the MTP "
+                    "head into every step")
     ap.add_argument("--inject-bug", metavar="NAME", default=os.environ.get("JAX_IMPL_HTTP_BUG"),
                     help="serve with a deliberate scheduler bug (jax_impl/injected_bugs.py; the kit's tests show "
                          "check-server catches each); default $JAX_IMPL_HTTP_BUG")
@@ -103,8 +109,9 @@ def token_ids(value, name, vocab):
     return [int(t) for t in value]
 
 
-def completion_request(body, cfg, tokenizer):
-    """A /v1/completions body -> (Server.submit's keyword arguments, stream). Raises BadRequest."""
+def completion_request(body, cfg, tokenizer, context):
+    """A /v1/completions body -> (Server.submit's keyword arguments, stream). Raises BadRequest: also a prompt and
+    max_tokens beyond the server's context (as vLLM refuses them, rather than cutting max_tokens)."""
     if not isinstance(body, dict):
         raise BadRequest("expected a JSON object")
     unknown = sorted(set(body) - KNOWN)
@@ -141,6 +148,9 @@ def completion_request(body, cfg, tokenizer):
                   seed=integer(body, "seed", 0, *reference.SEED_RANGE), draft=draft,
                   draft_len=integer(body, "draft_len", 4, 0, reference.MAX_DRAFT_LEN),
                   stop=tuple(dict.fromkeys(eos + stop)), cache_prompt=body.get("cache_prompt", True))
+    if len(prompt) + kwargs["max_new_tokens"] > context:
+        raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens {kwargs['max_new_tokens']} exceed the "
+                         f"server's context of {context} tokens")
     return kwargs, bool(body.get("stream", False))
 
 
@@ -232,7 +242,7 @@ def make_app(engine, cfg, tokenizer, model_name):
         except (ValueError, UnicodeDecodeError) as e:
             return error_response(web, 400, f"the body is not JSON ({e})")
         try:
-            kwargs, stream = completion_request(body, cfg, tokenizer)
+            kwargs, stream = completion_request(body, cfg, tokenizer, engine.server.context)
         except BadRequest as e:
             return error_response(web, 400, str(e))
         if engine.failure is not None:
@@ -293,12 +303,16 @@ def serve(args):
         from aiohttp import web
     except ModuleNotFoundError as e:
         raise reference.missing_extra(e, "jax", "python -m jax_impl.http_server") from None
-    from .injected_bugs import server_class
+    from .injected_bugs import server_class  # before batch.py and serving.py are imported: it may mutate them
+    server_class = server_class(args.inject_bug)
+    from . import batch
     matvec.set_mode(args.matvec)
     cfg, params = load(args.model, args.dtype)
     tokenizer = reference.load_tokenizer(args.model)
-    server = server_class(args.inject_bug)(params, cfg, args.slots, args.context, args.rollback,
-                                           args.steps_per_sync, cache_bytes=args.cache_bytes)
+    features = batch.Features(True, True, True, params.get("mtp") is not None) if args.all_features else None
+    server = server_class(params, cfg, args.slots, args.context, args.rollback,
+                          args.steps_per_sync, cache_bytes=args.cache_bytes, max_draft_len=args.max_draft_len,
+                          features=features, step_width=args.step_width)
     engine = Engine(server)
     app = make_app(engine, cfg, tokenizer, Path(args.model).name)
 

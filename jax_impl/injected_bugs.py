@@ -1,27 +1,189 @@
 """Deliberate scheduler and serving bugs for jax_impl's HTTP server (python -m jax_impl.http_server --inject-bug NAME):
-the kit's tests serve with each one and check that `qwen35-conformance check-server` catches it, naming a scenario
-(conformance/INTERPRETING.md lists them with what catches each). Each is a Server subclass that changes one host-side
-step the way a real engine's bug did; none is ever used without the flag."""
+each is a one-line change to batch.py or serving.py of the kind a real engine shipped, applied to the module's source
+when the server starts (before anything imports it). tests/test_check_server.py serves with each and requires
+`check-server` to fail naming a scenario; conformance/INTERPRETING.md lists them. Without the flag nothing here runs.
 
-from .serving import Server
+    python -m jax_impl.injected_bugs          the catalogue, one bug a line
+"""
 
-BUGS = {}
+import importlib.util
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+from . import reference
+
+HERE = Path(__file__).parent
 
 
-def bug(cls):
-    BUGS[cls.__name__.replace("_", "-")] = cls
-    return cls
+class Bug(NamedTuple):
+    name: str
+    does: str              # what the server then gets wrong
+    mirrors: str           # the published bug it stands for ("" where there is none to cite)
+    module: str            # batch or serving
+    original: str          # a line of the module, without its indentation: it must occur exactly once
+    replacement: str
+    caught_by: str         # a scenario that catches it (the test runs this one)
+    escapes: str = ""      # why no black-box check can see it here ("": check-server must catch it)
+
+
+CATALOGUE = (
+    Bug("slot-reused-with-state", "a new request takes a freed slot with the previous request's DeltaNet and KV "
+        "state (only the position reset)", "ik_llama.cpp#1696", "batch",
+        "source = row._replace(state=zero(row.state), mtp=zero(row.mtp)) if restored is None else restored",
+        "source = row._replace(state=row.state._replace(length=jnp.zeros_like(row.state.length))) "
+        "if restored is None else restored", "concurrency-64"),
+    Bug("cache-restore-drops-conv-window", "a prefix-cache entry restores the DeltaNet recurrent state but not its "
+        "convolution window (zeros)", "vllm#53912", "batch",
+        "source = row._replace(state=zero(row.state), mtp=zero(row.mtp)) if restored is None else restored",
+        "source = row._replace(state=zero(row.state), mtp=zero(row.mtp)) if restored is None else restored._replace("
+        "state=restored.state._replace(layers=tuple(x._replace(conv=0 * x.conv) if hasattr(x, 'conv') else x "
+        "for x in restored.state.layers)))", "shared-prefix-cache"),
+    Bug("cache-restore-position-off-by-one", "a restored request continues its prefill one position past the "
+        "entry's, skipping a prompt token", "vllm#43559", "batch",
+        "row = row._replace(state=source.state, mtp=source.mtp, buf=prompt, ntok=settings.prompt_len,",
+        "row = row._replace(state=source.state._replace(length=source.state.length + (restored is not None)), "
+        "mtp=source.mtp, buf=prompt, ntok=settings.prompt_len,", "shared-prefix-cache"),
+    Bug("cache-key-unchecked", "the prefix cache matches any cached prompt no longer than the new one (the tokens "
+        "not compared: a hash or key collision)", "vllm#43559", "serving",
+        "if (len(key) <= len(r.prompt) and r.prompt[:len(key)] == key and (entry.mtp or r.draft != \"mtp\")",
+        "if (len(key) <= len(r.prompt) and (entry.mtp or r.draft != \"mtp\")", "shared-prefix-cache"),
+    Bug("chunk-offset-off-by-one", "every prompt chunk after the first starts one token late",
+        "sglang#39342", "batch",
+        "tokens = jnp.where(prefilling, lax.dynamic_slice_in_dim(s.buf, c, T), verify_tokens)",
+        "tokens = jnp.where(prefilling, lax.dynamic_slice_in_dim(s.buf, c + (c > 0), T), verify_tokens)",
+        "long-prompts"),
+    Bug("rejected-round-keeps-drafts", "a round whose drafts are all rejected keeps the state after every verified "
+        "position (an accept count of 0 treated as 'keep all')", "vllm#50021", "batch",
+        "whole = n == after.length - before.length",
+        "whole = (n == after.length - before.length) | (n == 1)", "speculative-acceptance-mix"),
+    Bug("partial-pass-rolled-back", "only a full-width pass keeps its own state: a prefill chunk in a step with "
+        "drafts is rolled back to its first K+1 positions (mixed prefill/decode batches)", "sglang#39342", "batch",
+        "whole = n == after.length - before.length", "whole = n == K + 1", "concurrent-mixed-lengths",
+        "the scheduler prefills on from the state's own length, so a chunk cut short is only re-prefilled: slower, "
+        "the same tokens"),
+    Bug("commit-rejected-draft", "the first rejected draft is committed in place of the target's own token",
+        "llama.cpp#28019", "batch",
+        "new = jnp.where(positions < accepted, jnp.append(drafts, 0), token)",
+        "new = jnp.where(positions <= jnp.minimum(accepted, len(drafts) - 1), jnp.append(drafts, 0), token)",
+        "speculative-acceptance-mix"),
+    Bug("stop-ignored-in-draft-block", "a stop id among accepted drafts does not end the request (only the "
+        "target's own token is tested)", "", "batch",
+        "stops = jnp.isin(new, stop) & (positions <= accepted)",
+        "stops = jnp.isin(new, stop) & (positions == accepted)", "stop-ids",
+        "on the tiny checkpoints a token is never first generated as an accepted draft (their continuations do not "
+        "copy the context), so a stop id is always the target's own token; a checkpoint that copies would show it"),
+    Bug("drafts-past-max-tokens", "drafts are not cut at the tokens left, so an accepted block runs past "
+        "max_tokens", "", "batch",
+        "return drafts, q, jnp.minimum(m, st.limit - (s.ntok - st.prompt_len) - 1)",
+        "return drafts, q, m", "speculative-acceptance-mix"),
+    Bug("max-tokens-off-by-one", "a request generates one token more than max_tokens", "", "serving",
+        "np.int32(DRAFTERS.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),",
+        "np.int32(DRAFTERS.index(r.draft)), np.int32(K), np.int32(limit + 1), np.int32(len(r.prompt)),",
+        "single-greedy"),
+    Bug("event-skips-a-token", "the host reports one token fewer than were committed at each read-back (a "
+        "streamed token lost between syncs)", "", "serving",
+        "self.live[index] = live = live._replace(emitted=generated)",
+        "self.live[index] = live = live._replace(emitted=generated + (not done))", "long-generations"),
+    Bug("stop-not-cleared-on-reuse", "a slot's stop ids are the union of its own and the previous request's",
+        "", "batch",
+        "prefill_to=prefill_to, phase=jnp.int32(PREFILL), key=jax.random.key(seed), settings=settings,",
+        "prefill_to=prefill_to, phase=jnp.int32(PREFILL), key=jax.random.key(seed), settings=settings._replace("
+        "stop=jnp.where(settings.stop < 0, row.settings.stop, settings.stop)),", "slot-reuse-after-stop"),
+    Bug("first-token-from-padding", "a prompt's first generated token is read from the last chunk's padded end, "
+        "not its last valid position", "vllm#55357", "batch",
+        "pick = jnp.where(prefilling, jnp.maximum(valid - 1, 0), jnp.arange(K + 1))",
+        "pick = jnp.where(prefilling, jnp.maximum(jnp.minimum(valid, T - 1), 0), jnp.arange(K + 1))",
+        "max-tokens-1"),
+    Bug("tokens-to-neighbour", "while a request runs, its new tokens are reported under the request in the slot "
+        "before it (one request's tokens delivered to another)", "", "serving",
+        "events.append(Event(live.id, new, bool(done)))",
+        "events.append(Event(self.live[index - 1].id if index and self.live[index - 1] and not done else live.id, "
+        "new, bool(done)))", "concurrency-64"),
+)
+BUGS = {bug.name: bug for bug in CATALOGUE}
+
+
+def enclosing_function(bug):
+    """The name of the function of bug.module whose body holds bug.original."""
+    name = None
+    for line in (HERE / f"{bug.module}.py").read_text().splitlines():
+        if line.startswith("def ") or line.startswith("    def "):
+            name = line.split()[1].split("(")[0]
+        if line.strip() == bug.original:
+            return name
+    raise AssertionError(f"{bug.name}: its line is not in {bug.module}.py")
+
+
+def touches_step(bug):
+    """Whether the bug changes the compiled step program (batch.py outside the slot bookkeeping), so that a server
+    with it compiles its own."""
+    return bug.module == "batch" and enclosing_function(bug) not in ("admit", "free", "read_slot", "resume")
+
+
+def mutated_source(bug):
+    source = (HERE / f"{bug.module}.py").read_text()
+    lines = [line for line in source.splitlines() if line.strip() == bug.original]
+    if len(lines) != 1:
+        raise AssertionError(f"{bug.name}: its line occurs {len(lines)} times in {bug.module}.py")
+    indent = lines[0][:len(lines[0]) - len(lines[0].lstrip())]
+    return source.replace(lines[0], indent + bug.replacement)
+
+
+def install(name):
+    """Put the named bug's module, mutated, in sys.modules before anything imports the original."""
+    if name not in BUGS:
+        raise reference.UserError(f"--inject-bug {name}: expected one of {', '.join(BUGS)}")
+    bug = BUGS[name]
+    qualified = f"{__package__}.{bug.module}"
+    if qualified in sys.modules:
+        raise AssertionError(f"{qualified} was imported before the bug could be injected")
+    spec = importlib.util.spec_from_loader(qualified, loader=None, origin=str(HERE / f"{bug.module}.py"))
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(HERE / f"{bug.module}.py")
+    sys.modules[qualified] = module
+    exec(compile(mutated_source(bug), module.__file__, "exec"), module.__dict__)
 
 
 def server_class(name):
-    """The Server class to serve with: Server itself, or the named bug's."""
-    if name is None:
-        return Server
-    if name not in BUGS:
-        raise reference_error(name)
-    return BUGS[name]
+    """The Server class to serve with, the named bug installed first (None: no bug)."""
+    if name is not None:
+        install(name)
+    from .serving import Server
+    return Server
 
 
-def reference_error(name):
-    from .serving import UserError
-    return UserError(f"--inject-bug {name}: expected one of {', '.join(sorted(BUGS))}")
+def check_catalogue(model, flags):
+    """Serve with each bug in turn and run check-server on the scenario that should catch it -> lines to print."""
+    import os
+    import subprocess
+    import tempfile
+    from conformance import check_server as cs
+    cache = tempfile.mkdtemp(prefix="jax-cache-")  # the bugs outside the step program share its compilation
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    for bug in CATALOGUE:
+        process = subprocess.Popen([sys.executable, "-m", f"{__package__}.http_server", "--model", model, "--port",
+                                    "0", "--inject-bug", bug.name, *flags], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            url = process.stdout.readline().split()[-1]
+            summary, code = cs.check_server(url, model, f"^{bug.caught_by}$", log=lambda line: None, timeout=300)
+            failures = summary["scenarios"][0]["failures"]
+            first = failures[0] if failures else {}
+            yield (f"{bug.name:<36} {'CAUGHT' if code else 'MISSED'} by {bug.caught_by}: {len(failures)} failing "
+                   f"requests, first {first.get('rule')} at position {first.get('position')}")
+        finally:
+            process.terminate()
+            process.wait()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check"]:  # --check [MODEL [SERVER FLAGS...]]
+        model = sys.argv[2] if len(sys.argv) > 2 else str(HERE.parent / "weights" / "tiny-mtp")
+        for line in check_catalogue(model, sys.argv[3:] or ["--slots", "16", "--max-draft-len", "8", "--step-width",
+                                                            "16", "--all-features"]):
+            print(line, flush=True)
+    else:
+        for bug in CATALOGUE:
+            print(f"{bug.name:<36} {bug.module + '.py':<11} {'step' if touches_step(bug) else 'host':<5} caught by "
+                  f"{bug.caught_by:<28} {bug.mirrors or '-':<18} {bug.does}")

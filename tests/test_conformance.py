@@ -312,3 +312,24 @@ def test_the_shipped_expectations_files_are_usable():
     for path in sorted((ROOT / "conformance" / "expectations").glob("*.json")) + [
             ROOT / "conformance" / "examples" / "ops_engine.json"]:
         runner.checked_expectations(runner.read_expectations(path), path)
+
+
+def trace_engine_reporting(name, finished):
+    """The reference adapter whose run_trace reports `finished(golden's value)` instead (None: leaves it out)."""
+    @register_engine(name)
+    class Reporting(Reference):
+        def run_trace(self, model, batches, rollback, slots):
+            for b, s, out in super().run_trace(model, batches, rollback, slots):
+                value = finished(out.pop("finished")) if "finished" in out else None
+                yield b, s, out if value is None else {**out, "finished": value}
+    return name
+
+
+@pytest.mark.parametrize("finished, says", [(lambda value: None, "the engine did not return this output"),
+                                            (lambda value: 0, "expected 1, actual 0")])
+def test_a_trace_engine_must_say_when_a_request_has_finished(finished, says, capsys):
+    engine = trace_engine_reporting(f"test_finished_{says.split()[0]}", finished)
+    results, code, _ = run_quietly(engine, capsys, pattern="^trace-stop-inside-accepted-tiny-draft-greedy$",
+                                   expectations={}, diagnose=False)
+    assert code == 1 and {r.status for r in results.values()} == {"FAIL"}
+    assert all(any(".finished: " in line and says in line for line in r.details) for r in results.values())

@@ -288,7 +288,9 @@ class TraceSlots:
                 out = {"logits": host(logits[index, :len(step["tokens"])]),
                        "state": batch.read_slot(self.state, index)}
                 if "keep" not in step["commit"]:
-                    out.update(accepted=int(accepted[index]), committed=committed[index, :n[index]].tolist())
+                    tokens = committed[index, :n[index]].tolist()
+                    out.update(accepted=int(accepted[index]), committed=tokens,
+                               finished=R.finished(tokens, step["commit"].get("stop", ())))
                 outputs[s] = out
         return outputs
 

@@ -446,7 +446,8 @@ def trace_step(served, cache, step, logits, accept):
                           lambda start, n: served.keep(request, start, n), accept, None)
         r = R.speculative_round(target, None, tokens, rule.get("q"), R.sampling_of(rule), rule.get("uniforms"),
                                 rule.get("stop", ()), rule.get("keep"))
-        decided = {} if r.committed is None else {"accepted": r.accepted, "committed": r.committed}
+        decided = {} if r.committed is None else {"accepted": r.accepted, "committed": r.committed,
+                                                  "finished": R.finished(r.committed, rule.get("stop", ()))}
         return {"logits": r.logits, **decided}
     if op == "snapshot":
         cache[step["key"]] = served.save(request)

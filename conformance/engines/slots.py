@@ -188,7 +188,8 @@ def run_rows(memory, model, rows, rollback):
         accepted, committed, n = decide(step, logits)
         if spec:
             memory.commit(slot, n, len(step["tokens"]), rollback)
-        decisions = {} if committed is None else {"accepted": accepted, "committed": committed}
+        decisions = {} if committed is None else {"accepted": accepted, "committed": committed,
+                                                  "finished": R.finished(committed, step["commit"].get("stop", ()))}
         outputs[s] = {"logits": logits, **decisions, **state_tensors(memory.current(slot))}
     return outputs
 

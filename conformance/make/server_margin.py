@@ -1,6 +1,6 @@
 """The measurement behind tolerances.json "server" (check-server's near-tie margin and logprob tolerance):
 
-    python -m conformance.make.server_margin
+    python -m conformance.make.server_margin [CHECKPOINT ...]     (default: tiny-mtp tiny-odd default)
 
 For each shipped checkpoint it continues scenario prompts greedily with reference.py, then runs jax_impl's forward
 over the same sequences, whole and in 16-token chunks (as a server prefills and decodes them), in float32 and in
@@ -14,6 +14,7 @@ from .. import reference as R, sibling
 from ..check_server import build_prompt, log_softmax
 
 CHECKPOINTS = ("tiny-mtp", "tiny-odd", "default")
+CAPACITY = 320       # positions: the longest sequence (150 + 64) and a chunk's padding
 PROMPTS = ({"seed": 1, "length": 12}, {"seed": 301, "length": 150}, {"seed": 1000, "length": 30, "period": 4})
 
 
@@ -29,16 +30,16 @@ def sequences(params, cfg, new=64):
 
 def jax_logits(jparams, cfg, seq, chunk):
     model = sibling("jax_impl.model")
-    state, rows = model.empty_state(cfg, len(seq) + 64, jparams["embed_tokens"].dtype), []
+    state, rows = model.empty_state(cfg, CAPACITY, jparams["embed_tokens"].dtype), []  # one shape: one compilation
     for start in range(0, len(seq), chunk):
         logits, _, state, _ = model.forward(jparams, cfg, jnp.asarray(seq[start:start + chunk]), state)
         rows.append(np.asarray(logits, np.float32))
     return np.concatenate(rows)
 
 
-def main():
+def main(names=CHECKPOINTS):
     weights = sibling("jax_impl.weights")
-    for name in CHECKPOINTS:
+    for name in names:
         cfg, params = R.load_model(R.DEFAULT_MODEL.parent / name)
         for dtype in ("float32", "bfloat16"):
             jparams = weights.to_jax(params, dtype)
@@ -54,4 +55,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    main(sys.argv[1:] or CHECKPOINTS)
