@@ -236,4 +236,4 @@ def test_the_jax_command_lines_without_jax_name_the_extra(module, args):
 def test_every_extra_named_exists():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert set(EXTRAS.values()) | {"jax"} <= set(extras)
-    assert set(EXTRAS) == set(SHIPPED) - {"reference", "slots"}     # the adapters that need more than NumPy
+    assert set(EXTRAS) == set(SHIPPED) - {"reference", "slots", "kernel_peers"}     # the adapters that need more than NumPy
