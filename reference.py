@@ -1450,9 +1450,9 @@ def mtp_tree_drafter(params, cfg):
 def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, budget,
                               rollback="replay", on_tokens=lambda new: None):
     """Speculative decoding with a draft tree per round from a TreeDrafter (one-hot q: deterministic drafts), within
-    the budget. -> the tokens and generate's stats, with the accepted depth of every round."""
+    the budget. -> the tokens and generate's stats, with the drafted nodes and the accepted depth of every round."""
     limit, tokens, calls, start = token_limit(cfg, prompt, max_new_tokens), [], 0, time.perf_counter()
-    prefill_done, draft_state, accepted, draft_s = start, drafter.initial_state, [], 0.0
+    prefill_done, draft_state, drafted, accepted, draft_s = start, drafter.initial_state, [], [], 0.0
     if limit > 0:
         logits, new_hidden, state, _ = forward(params, cfg, prompt, empty_state(cfg))
         prefill_done = time.perf_counter()
@@ -1469,13 +1469,14 @@ def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng
         committed = until_stop([tree[j] for j in path[1:]] + [token], cfg.eos_token_id)
         state, new_hidden = commit_tree(verified, path[:len(committed)]), hidden[path[:len(committed)]]
         tokens += committed
+        drafted.append(len(tree) - 1)
         accepted.append(len(path) - 1)
         on_tokens(committed)
         calls += 1
     end = time.perf_counter()
     return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
                     "tokens_per_call": (len(tokens) - 1) / calls if calls else 0.0, "tree": budget._asdict(),
-                    "drafter": drafter.name, "accepted_depths": accepted,
+                    "drafter": drafter.name, "drafted_nodes": drafted, "accepted_depths": accepted,
                     "seconds": {"prefill": prefill_done - start, "draft": draft_s, "decode": end - prefill_done,
                                 "total": end - start}}
 
