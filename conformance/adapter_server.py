@@ -62,6 +62,11 @@ def requests(engine, handles, batched_traces):
         path, token = engine.accept_tree(r["tokens"], r["parents"], r["q"], r["logits"], r["sampling"], r["uniforms"])
         return {"path": [int(node) for node in path], "token": int(token)}
 
+    def accept_tree_draws(r):
+        ends, tokens = engine.accept_tree_draws(r["tokens"], r["parents"], r["q"], r["logits"], r["sampling"], r["n"],
+                                                r["seed"])
+        return {"ends": ends, "tokens": tokens}
+
     def sample(r):
         probabilities, tokens = engine.sample(r["logits"], r["sampling"], r["uniforms"])
         return {"probabilities": probabilities, "tokens": tokens}
@@ -104,6 +109,7 @@ def requests(engine, handles, batched_traces):
         "verify_tree": verify_tree,
         "commit_tree": lambda r: {"state": handles.new(engine.commit_tree(model(r), state(r, "pending"), r["path"]))},
         "accept_tree": accept_tree,
+        "accept_tree_draws": accept_tree_draws,
         "draw": draw,
         "accept_draws": accept_draws,
         "mtp_hidden": mtp_hidden,

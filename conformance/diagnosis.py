@@ -277,6 +277,21 @@ def tree_chain_rule_on_siblings(tokens, parents, q, p, u):
         path.append(child)
 
 
+def tree_chain_rule_outcomes(tokens, parents, q, p):  # (N,), (N,), (N-1, V), (N, V) -> (N, V)
+    """tree_chain_rule_on_siblings's outcome distribution in closed form (reference.tree_outcomes' counterpart):
+    entry [L, t] is the chance that the walk ends at node L and draws t."""
+    reach, rows = np.zeros(len(tokens)), np.zeros(p.shape)
+    reach[0] = 1.0
+    for node in range(len(tokens)):
+        children, stay = R.tree_children(parents, node), reach[node]
+        for c in children:
+            kept = R.acceptance(p[node, tokens[c]], q[c - 1, tokens[c]])
+            reach[c], stay = stay * kept, stay * (1 - kept)
+        leftover = p[node] if not children else R.residual(p[node], q[children[0] - 1])
+        rows[node] = stay * leftover / leftover.sum()
+    return rows
+
+
 CATALOGUE = (
     Mistake("decay-after-write", "the delta rule decays the state after writing the correction (the correction "
             "computed against the undecayed state)", frozenset({"gated_delta_rule"}) | DELTANET,

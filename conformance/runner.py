@@ -170,10 +170,26 @@ def drive_speculative_draws(engine, meta, inputs, expected, model):
     return {"outcomes": counts}
 
 
+def drive_tree_draws(engine, meta, inputs, expected, model):
+    """The statistical pack: n rounds of the engine's acceptance of the same tree with its own random numbers ->
+    counts of (the last accepted node, next token)."""
+    logits, tokens, n = inputs["tree_logits"], inputs["tree_tokens"], meta["attrs"]["draws"]
+    ends, drawn = (np.asarray(a) for a in engine.accept_tree_draws(tokens, inputs["tree_parents"], inputs["q"], logits,
+                                                                   sampling_settings(meta["attrs"]), n, meta["seed"]))
+    if ends.shape != (n,) or drawn.shape != (n,) or not ((0 <= ends) & (ends < len(tokens))).all() or not (
+            (0 <= drawn) & (drawn < logits.shape[-1])).all():
+        raise ValueError(f"accept_tree_draws returned ends {list(ends.shape)}, tokens {list(drawn.shape)} outside "
+                         f"[0, {len(tokens)}) x [0, {logits.shape[-1]}), or not {n} of each")
+    counts = np.zeros(logits.shape, np.int64)
+    np.add.at(counts, (ends.astype(np.int64), drawn.astype(np.int64)), 1)
+    return {"outcomes": counts}
+
+
 DRIVERS = {"forward": drive_forward, "greedy": drive_greedy, "sampling": drive_sampling,
            "speculative": drive_speculative, "tree": drive_tree, "trace": drive_trace, "mtp": drive_mtp,
-           "sampling_draws": drive_sampling_draws, "speculative_draws": drive_speculative_draws}
-STATISTICAL = ("sampling_draws", "speculative_draws")      # the cases of `sample` mode, which `run` leaves out
+           "sampling_draws": drive_sampling_draws, "speculative_draws": drive_speculative_draws,
+           "tree_draws": drive_tree_draws}
+STATISTICAL = ("sampling_draws", "speculative_draws", "tree_draws")      # the cases of `sample` mode, which `run` leaves out
 
 
 # ----------------------------------------------------------------------------------------------------------------

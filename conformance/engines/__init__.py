@@ -156,6 +156,7 @@ class Engine:
         speculative, rollback:*          verify, commit
         accept:greedy, accept:sampling   accept
         tree, accept:tree-sampling       verify_tree, commit_tree, accept_tree
+        accept:tree-draws                accept_tree_draws (the statistical pack)
         trace                            (the default run_trace drives the methods above, one step at a time)
         snapshot                         copy_state (or a run_trace override that keeps prefix-cache entries itself)
         mtp                              mtp_hidden, mtp_draft (export_mtp_state with state_export)
@@ -233,6 +234,11 @@ class Engine:
     def accept_tree(self, tokens, parents, q, logits, sampling, uniforms):
         """A tree's acceptance: tokens, parents (N,), q (N-1, V) or None (row c-1: node c's draft distribution),
         verify logits (N, V), uniforms (N,) or None -> (the accepted path [0, ..., L], the target's next token)."""
+        raise NotImplementedError
+
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        """n independent rounds of the engine's acceptance of the same tree (tokens, parents (N,), q (N-1, V), verify
+        logits (N, V)) with its own random numbers -> (the last accepted node of each round (n,), the next token (n,))."""
         raise NotImplementedError
 
     def draw(self, logits, sampling, n, seed):

@@ -259,6 +259,12 @@ class ProcessEngine(Engine):
         return ([int(n) for n in required(answer, "path", "accept_tree")],
                 int(required(answer, "token", "accept_tree")))
 
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        answer = self.request("accept_tree_draws", tokens=[int(t) for t in tokens], parents=[int(p) for p in parents],
+                              q=q, logits=logits, sampling=sampling, n=int(n), seed=int(seed))
+        return (np.asarray(required(answer, "ends", "accept_tree_draws"), np.int64),
+                np.asarray(required(answer, "tokens", "accept_tree_draws"), np.int64))
+
     def draw(self, logits, sampling, n, seed):
         answer = self.request("draw", logits=logits, sampling=sampling, n=int(n), seed=int(seed))
         return np.asarray(required(answer, "tokens", "draw"), np.int64)

@@ -110,6 +110,12 @@ class Reference(Engine):
         return R.accept_tree([int(t) for t in tokens], R.check_tree(parents), q, logits, R.sampling_of(sampling),
                              uniforms)
 
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        rng, sampling = np.random.default_rng(seed), R.sampling_of(sampling)
+        tokens, parents = [int(t) for t in tokens], R.check_tree(parents)
+        rounds = [R.accept_tree(tokens, parents, q, logits, sampling, rng.random(len(tokens))) for _ in range(n)]
+        return np.array([path[-1] for path, _ in rounds], np.int64), np.array([t for _, t in rounds], np.int64)
+
     def copy_state(self, model, state):
         return state                    # a reference State is a value: no call ever changes one
 
