@@ -19,7 +19,8 @@ def test_jax_passes_every_case_but_the_traces(capsys):
         "trace-") and read_manifest(folder)["kind"] not in runner.STATISTICAL}
     # and the statistical pack, drawing with jax.random as its generate loop does
     results, code, out = run_quietly("jax", capsys, statistical=True)
-    assert code == 0 and {r.status for r in results.values()} == {"PASS"}, out
+    assert code == 0 and {r.status for n, r in results.items() if not n.startswith("draws-tree-")} == {"PASS"}, out
+    assert {r.status for n, r in results.items() if n.startswith("draws-tree-")} == {"SKIP"}
 
 
 def uncompared_in_bf16(meta):
