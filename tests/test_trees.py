@@ -282,8 +282,8 @@ def test_greedy_mtp_tree_generation_equals_plain(rollback):
 
 
 def test_an_mtp_chain_tree_is_the_mtp_chain_and_a_wider_tree_accepts_more():
-    """On the trained default model (its head drafts well): a tree of one child per node accepts, round by round,
-    what the MTP chain of the same depth accepts; top-3 siblings at each depth accept more per target call."""
+    """On the trained default model (its head drafts well): a tree of one child per node makes as many target calls
+    as the MTP chain of the same depth; with top-3 siblings at each depth (12 nodes) fewer."""
     cfg, params = model("default")
     prompt, n = PROMPT[:16], 24
     plain = R.generate(params, cfg, prompt, n, R.Sampling(), np.random.default_rng(0))[0]
