@@ -25,9 +25,8 @@ from .weights import DTYPES, load
 
 UserError = reference.UserError
 
-FLAGS = {"prompt": "--prompt", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
-         "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "draft": "--draft", "draft_len": "--draft-len"}
-OTHER_FIELDS = ("id", "prompt_ids", "stop", "cache_prompt")
+SETTINGS = [name for name in reference.REQUEST_SETTINGS if name != "rollback"]  # the rollback strategy: --rollback
+FIELDS = ("id", "prompt", "prompt_ids", *SETTINGS, "stop", "cache_prompt")
 
 
 def parse_args(argv):
@@ -50,38 +49,41 @@ def parse_args(argv):
 
 
 def request_of(fields, tokenizer):
-    """One line's object -> (its id, Request): its fields as command-line flags through reference.parse_args, so
-    that ranges and messages are the command line's."""
+    """One line's object -> Request, its settings typed (reference.json_setting); serving.check_request checks them
+    as the command lines do, named by their fields."""
     if not isinstance(fields, dict):
         raise UserError("expected a JSON object")
-    unknown = sorted(set(fields) - set(FLAGS) - set(OTHER_FIELDS))
+    unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
-        raise UserError(f"unknown field {unknown[0]!r} (known: {', '.join(sorted([*FLAGS, *OTHER_FIELDS]))})")
-    argv = []
-    for name, flag in FLAGS.items():
-        if name in fields:
-            value = fields[name]
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise UserError(f"{name}: expected a {'string' if name in ('prompt', 'draft') else 'number'}")
-            argv += [flag, str(value)]
-    ids = fields.get("prompt_ids")
-    if ids is not None:
-        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-            raise UserError("prompt_ids: expected a list of token ids")
-        argv += ["--prompt-ids", ",".join(map(str, ids))]
-    args = reference.parse_args(argv)
-    if args.prompt is not None and tokenizer is None:
-        raise UserError("prompt: the checkpoint has no tokenizer.json, use prompt_ids")
+        raise UserError(f"unknown field {unknown[0]!r} (known: {', '.join(sorted(FIELDS))})")
+    settings = {name: reference.json_setting(name, fields[name]) if name in fields else
+                reference.REQUEST_SETTINGS[name].default for name in SETTINGS}
+    if ("prompt" in fields) == ("prompt_ids" in fields):
+        raise UserError("give exactly one of prompt and prompt_ids")
+    if "prompt" in fields:
+        text = fields["prompt"]
+        if not isinstance(text, str):
+            raise UserError("prompt: expected a string")
+        reference.check_prompt_text(text, "prompt")
+        if tokenizer is None:
+            raise UserError("prompt: the checkpoint has no tokenizer.json, use prompt_ids")
+        prompt = tokenizer.encode(text).ids
+    else:
+        prompt = token_ids(fields["prompt_ids"], "prompt_ids")
     stop = fields.get("stop")
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                 for t in stop)):
-        raise UserError("stop: expected a list of token ids")
+    if stop is not None:
+        stop = token_ids(stop, "stop")
     if not isinstance(fields.get("cache_prompt", False), bool):
         raise UserError("cache_prompt: expected true or false")
-    prompt = reference.parse_ids(args.prompt_ids) if args.prompt is None else tokenizer.encode(args.prompt).ids
-    return Request(tuple(prompt), args.max_new_tokens, reference.Sampling(args.temperature, args.top_k, args.top_p),
-                   args.seed, args.draft, args.draft_len, None if stop is None else tuple(stop),
-                   fields.get("cache_prompt", False))
+    settings["sampling"] = reference.Sampling(*(settings.pop(name) for name in reference.Sampling._fields))
+    return Request(tuple(prompt), **settings, stop=None if stop is None else tuple(stop),
+                   cache_prompt=fields.get("cache_prompt", False))
+
+
+def token_ids(value, name):
+    if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        raise UserError(f"{name}: expected a list of token ids")
+    return value
 
 
 def read_requests(path, cfg, params, tokenizer):

@@ -231,9 +231,9 @@ def jax_impl_json(argv, capsys):
 @pytest.mark.parametrize("lines, flags, message", [
     (["{not json"], [], "line 1: not JSON"),
     ([{"prompt_ids": [1]}, {"prompt_ids": [1], "temprature": 1}], [], "line 2: unknown field 'temprature'"),
-    ([{"prompt_ids": [1], "temperature": 1e9}], [], "line 1: --temperature 1000000000.0: must be"),
+    ([{"prompt_ids": [1], "temperature": 1e9}], [], "line 1: temperature 1000000000.0: must be"),
     ([{"prompt_ids": [1, 5000]}], [], "line 1: prompt token id 5000 is outside the vocabulary"),
-    ([{"prompt_ids": [1], "draft": "model:x"}], [], "line 1: draft model:x: must be one of none, ngram, mtp"),
+    ([{"prompt_ids": [1], "draft": "model:x"}], [], "line 1: draft model:x: jax_impl runs none, ngram and mtp"),
     ([{"prompt_ids": [1], "stop": 256}], [], "line 1: stop: expected a list of token ids"),
     ([{"prompt_ids": "1,2"}], [], "line 1: prompt_ids: expected a list of token ids"),
     ([[1, 2]], [], "line 1: expected a JSON object"),
