@@ -66,7 +66,8 @@ def parse_args(argv):
     check.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default 64)")
     check.add_argument("--report", type=Path, metavar="PATH.json", help="write the results as JSON")
     check.add_argument("--dialect", default="jax_impl", help="the server's API: jax_impl, vllm, vllm-logprobs, "
-                       "sglang, text (server_dialects.py; default jax_impl)")
+                       "sglang, llama-server, llama-server-logprobs, mlx-lm, text (server_dialects.py; default "
+                       "jax_impl)")
     check.add_argument("--precision", default="float32", help="the server's: float32 or bfloat16 (the near-tie "
                        "margin, tolerances.json \"server\")")
     check.add_argument("--draft", help="jax_impl dialect: every request's drafter (none, ngram, mtp; default: each "
