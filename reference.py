@@ -844,7 +844,7 @@ class Drafter(NamedTuple):
     taps: tuple = None   # target layers whose outputs new_hidden holds (None: the final-normed hidden state)
 
 
-def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
+def checked_propose(drafter, cfg):  # -> the drafter's propose, with what it returns checked
     """Drafts must be at most k ids in the vocabulary and, under sampling, come with a q (k', V) of distributions
     giving each drafted token a probability > 0 (speculative sampling divides by it)."""
     def propose(draft_state, context, new_hidden, k, sampling, rng):
@@ -1354,7 +1354,7 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
     limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
     stats = SpeculationStats(len(prompt), draft_len, rollback)
     target = stats.observe(reference_target(params, cfg, rollback, drafter.taps))
-    propose = stats.timed("draft", checked(drafter, cfg))
+    propose = stats.timed("draft", checked_propose(drafter, cfg))
     if limit > 0:
         logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg),
                                                                          drafter.taps)
@@ -2038,7 +2038,7 @@ MAX_DRAFT_LEN = 32                   # jax_impl compiles a round for a fixed K (
 
 # A request's settings: one table, one check. Each is a flag of both command lines (--NAME, dashes for
 # underscores), a keyword of jax_impl.generate and Server.submit, and a field of the JSONL and HTTP front ends
-# (python -m jax_impl.serve, jax_impl.http_server); every one of them checks it with check_settings, so a new setting
+# (python -m jax_impl.jsonl, jax_impl.http_server); every one of them checks it with check_settings, so a new setting
 # is a row here (and the engines' use of it).
 
 class Setting(NamedTuple):
