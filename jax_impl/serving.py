@@ -83,9 +83,10 @@ class Live(NamedTuple):
 
 
 def request_settings(r):
-    """A Request's settings as reference.check_settings takes them."""
-    return dict(max_new_tokens=r.max_new_tokens, **r.sampling._asdict(), seed=r.seed, draft=r.draft,
-                draft_len=r.draft_len)
+    """A Request's settings (its fields named in reference.REQUEST_SETTINGS, and its sampling's) as
+    reference.check_settings takes them."""
+    return {**{name: getattr(r, name) for name in reference.REQUEST_SETTINGS if name in Request._fields},
+            **r.sampling._asdict()}
 
 
 def check_request(cfg, params, r, label=str):
