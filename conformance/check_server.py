@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import reference as R
+from . import server_statistics as stats
 from .format import TOLERANCES
 from .server_dialects import CUMULATIVE_STREAMS, DIALECTS, Chunk, ServerRequest
 
@@ -249,6 +250,12 @@ def check_answer(spec, scenario, index, r, answer, dialect, margin, logprob_atol
             if gap > margin:
                 return failure("greedy", scenario, index, r, j, sequence, z, t,
                                f"the server's token is {gap:.4g} below the spec's argmax (near-tie margin {margin})")
+        else:
+            sampling = R.Sampling(r.temperature, r.top_k, r.top_p)
+            if stats.spec_probabilities(z, sampling)[t] == 0 and not stats.near_support(z, t, sampling, margin):
+                return failure("support", scenario, index, r, j, sequence, z, t,
+                               f"the spec gives the server's token no chance at {sampling} (its logit "
+                               f"{float(z[t]):.4g}, within no near-tie margin {margin} of the kept tokens)")
         if j < len(answer.logprobs) and answer.logprobs[j] is not None:
             want = float(log_softmax(z)[t])
             if abs(answer.logprobs[j] - want) > logprob_atol:
@@ -304,8 +311,11 @@ def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=No
                                                                        d, margin, logprob_atol),
                                                 range(len(requests))) if f]
             results.append({"scenario": scenario["name"], "requests": len(requests),
-                            "tokens": sum(len(a.ids) for a in answers), "seconds": round(served, 2),
-                            "status": "FAIL" if failures else "PASS", "failures": failures})
+                            "tokens": sum(len(a.ids) for a in answers), "seconds": round(served, 2)})
+            if scenario.get("distribution"):
+                results[-1]["statistics"], failed = stats.check(spec, scenario, requests, answers, margin)
+                failures += failed
+            results[-1].update(status="FAIL" if failures else "PASS", failures=failures)
             log(line_of(results[-1]))
     summary = {"url": url, "model": str(model_dir), "dialect": dialect, "precision": precision, "draft": draft,
                "margin": margin, "passed": all(r["status"] == "PASS" for r in results), "scenarios": results}
@@ -317,9 +327,16 @@ def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=No
 
 def line_of(result):
     head = f"{result['status']} {result['scenario']}: {result['requests']} requests, {result['tokens']} tokens"
+    tests = [f"{t['test']} chi-square {t['statistic']:.4g} (critical {t['critical']:.4g}, {t['draws']} draws)"
+             for t in result.get("statistics", ())]
+    if tests:
+        head += f" [{'; '.join(tests)}]"
     if not result["failures"]:
         return head
     f = result["failures"][0]
+    if f["rule"] == "distribution":
+        return f"{head}; {len(result['failures'])} failing, first: {f['detail']}" + (
+            f"; prefix ...{f['prefix_tail']}" if f["prefix_tail"] else "")
     top = ", ".join(f"{t} ({z})" for t, z in f["spec_top"])
     return (f"{head}; {len(result['failures'])} failing, first: request {f['request']} {f['rule']} at position "
             f"{f['position']}: {f['detail']}; prefix ...{f['prefix_tail']}, server token {f['server_token']}, spec "

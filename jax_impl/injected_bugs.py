@@ -1,5 +1,5 @@
 """Deliberate scheduler and serving bugs for jax_impl's HTTP server (python -m jax_impl.http_server --inject-bug NAME):
-each is a one-line change to batch.py or serving.py of the kind a real engine shipped, applied to the module's source
+each is a one-line change to batch.py, serving.py or spec_decode.py of the kind a real engine shipped, applied to the module's source
 when the server starts (before anything imports it). tests/test_check_server.py serves with each and requires
 `check-server` to fail naming a scenario; conformance/INTERPRETING.md lists them. Without the flag nothing here runs.
 
@@ -20,7 +20,7 @@ class Bug(NamedTuple):
     name: str
     does: str              # what the server then gets wrong
     mirrors: str           # the published bug it stands for ("" where there is none to cite)
-    module: str            # batch or serving
+    module: str            # batch, serving or spec_decode
     original: str          # a line of the module, without its indentation: it must occur exactly once
     replacement: str
     caught_by: str         # a scenario that catches it (the test runs this one)
@@ -100,6 +100,19 @@ CATALOGUE = (
         "events.append(Event(live.id, new, bool(done)))",
         "events.append(Event(self.live[index - 1].id if index and self.live[index - 1] and not done else live.id, "
         "new, bool(done)))", "concurrency-64"),
+    Bug("sampled-temperature-dropped", "a sampled request's temperature reaches the sampler as 1 (the API's default "
+        "put in place of the request's own)", "z-lab/dflash#74", "serving",
+        "np.float32(r.sampling.temperature), np.int32(r.sampling.top_k), np.float32(r.sampling.top_p),",
+        "np.float32(r.sampling.temperature and 1.0), np.int32(r.sampling.top_k), np.float32(r.sampling.top_p),",
+        "sampled-first-token"),
+    Bug("residual-from-p", "the token after a rejected draft is drawn from p instead of normalise(max(0, p - q)) "
+        "(rules.py residual-from-p)", "", "spec_decode",
+        "use_residual = (n < m) & (residual.sum() > 0)",
+        "use_residual = (n < m) & (residual.sum() < 0)", "sampled-speculative"),
+    Bug("ratio-inverted", "a draft is kept with chance min(1, q/p) instead of min(1, p/q) (rules.py ratio-inverted: "
+        "an n-gram's one-hot draft is then always kept)", "", "spec_decode",
+        "ok = (u[:K] < jnp.minimum(1, p_x / q_x)) & (jnp.arange(K) < m)",
+        "ok = (u[:K] < jnp.minimum(1, q_x / p_x)) & (jnp.arange(K) < m)", "sampled-speculative"),
 )
 BUGS = {bug.name: bug for bug in CATALOGUE}
 
@@ -118,7 +131,8 @@ def enclosing_function(bug):
 def touches_step(bug):
     """Whether the bug changes the compiled step program (batch.py outside the slot bookkeeping), so that a server
     with it compiles its own."""
-    return bug.module == "batch" and enclosing_function(bug) not in ("admit", "free", "read_slot", "resume")
+    return bug.module == "spec_decode" or (bug.module == "batch" and enclosing_function(bug) not in (
+        "admit", "free", "read_slot", "resume"))
 
 
 def mutated_source(bug):
