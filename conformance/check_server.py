@@ -92,7 +92,7 @@ def expand(scenario, spec_model, context, draft):
             out.append((spec, ServerRequest(prompt, max_tokens, spec.get("temperature", 0.0), spec.get("top_k", 0),
                                             spec.get("top_p", 1.0), spec.get("seed", 0) + copy, stop,
                                             spec.get("ignore_eos", False), spec.get("stream", False), drafter,
-                                            spec.get("draft_len"))))
+                                            spec.get("draft_len"), spec.get("cache_prompt"))))
     return out
 
 

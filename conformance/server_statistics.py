@@ -185,4 +185,4 @@ def group_failure(name, record, e):
                       f"({record['degrees_of_freedom']} degrees of freedom, {record['draws']} draws; alpha "
                       f"{TEST['alpha']}); the worst group ({n} requests at {e['sampling']}) drew "
                       + ", ".join(f"{int(t)} {int(e['counts'][t])} times ({n * e['P0'][t]:.1f} expected)"
-                                  for t in drawn[:3])}
+                                  for t in drawn[:3] if e["counts"][t])}

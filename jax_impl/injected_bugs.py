@@ -59,9 +59,7 @@ CATALOGUE = (
         "whole = (n == after.length - before.length) | (n == 1)", "speculative-acceptance-mix"),
     Bug("partial-pass-rolled-back", "only a full-width pass keeps its own state: a prefill chunk in a step with "
         "drafts is rolled back to its first K+1 positions (mixed prefill/decode batches)", "sglang#39342", "batch",
-        "whole = n == after.length - before.length", "whole = n == K + 1", "concurrent-mixed-lengths",
-        "the scheduler prefills on from the state's own length, so a chunk cut short is only re-prefilled: slower, "
-        "the same tokens"),
+        "whole = n == after.length - before.length", "whole = n == K + 1", "prompts-without-cache"),
     Bug("commit-rejected-draft", "the first rejected draft is committed in place of the target's own token",
         "llama.cpp#28019", "batch",
         "new = jnp.where(positions < accepted, jnp.append(drafts, 0), token)",
@@ -70,9 +68,7 @@ CATALOGUE = (
     Bug("stop-ignored-in-draft-block", "a stop id among accepted drafts does not end the request (only the "
         "target's own token is tested)", "", "batch",
         "stops = jnp.isin(new, stop) & (positions <= accepted)",
-        "stops = jnp.isin(new, stop) & (positions == accepted)", "stop-ids",
-        "on the tiny checkpoints a token is never first generated as an accepted draft (their continuations do not "
-        "copy the context), so a stop id is always the target's own token; a checkpoint that copies would show it"),
+        "stops = jnp.isin(new, stop) & (positions == accepted)", "stop-in-accepted-drafts"),
     Bug("drafts-past-max-tokens", "drafts are not cut at the tokens left, so an accepted block runs past "
         "max_tokens", "", "batch",
         "return drafts, q, jnp.minimum(m, st.limit - (s.ntok - st.prompt_len) - 1)",
@@ -113,6 +109,11 @@ CATALOGUE = (
         "an n-gram's one-hot draft is then always kept)", "", "spec_decode",
         "ok = (u[:K] < jnp.minimum(1, p_x / q_x)) & (jnp.arange(K) < m)",
         "ok = (u[:K] < jnp.minimum(1, q_x / p_x)) & (jnp.arange(K) < m)", "sampled-speculative"),
+    Bug("logprobs-one-token-late", "each returned log-probability is the previous token's (the log-probabilities "
+        "read one position behind the tokens)", "", "serving",
+        "events[-1] = events[-1]._replace(logprobs=logprob[index, P + live.emitted:P + generated].tolist())",
+        "events[-1] = events[-1]._replace(logprobs=logprob[index, P + live.emitted - 1:P + generated - 1].tolist())",
+        "single-greedy"),
 )
 BUGS = {bug.name: bug for bug in CATALOGUE}
 

@@ -30,7 +30,8 @@ PINNED = ["--slots", "16", "--max-draft-len", "8", "--step-width", "16", "--all-
 # step program: python -m jax_impl.injected_bugs --check (INTERPRETING.md section 11 records it)
 HOST_BUGS = ["slot-reused-with-state", "cache-key-unchecked", "max-tokens-off-by-one", "sampled-temperature-dropped"]
 assert all(not touches_step(BUGS[name]) and not BUGS[name].escapes for name in HOST_BUGS)
-DRAFT_SCENARIOS = "^(speculative-acceptance-mix|shared-prefix-cache|stop-ids)$"
+DRAFT_SCENARIOS = ("^(speculative-acceptance-mix|shared-prefix-cache|stop-ids|stop-in-accepted-drafts|"
+                   "prompts-without-cache)$")
 
 
 class Served:
@@ -113,7 +114,8 @@ def post(url, body):
     ({"prompt": [1, 999]}, "outside the vocabulary"), ({"prompt": [1], "draft": "eagle"}, "draft eagle"),
     ({"prompt": [1], "max_tokens": -1}, "max_tokens"), ({"prompt": [1], "n": 2}, "n: not supported"),
     ({"prompt": [1], "temperature": "hot"}, "temperature"), ({"prompt": [1], "max_tokens": 10**6}, "context"),
-    ({"prompt": [1], "draft_len": 9, "draft": "ngram"}, "draft_len 9"), ({"prompt": [1], "bogus": 1}, "bogus")])
+    ({"prompt": [1], "draft_len": 9, "draft": "ngram"}, "draft_len 9"), ({"prompt": [1], "bogus": 1}, "bogus"),
+    ({"prompt": [1], "logprobs": 2}, "logprobs: not supported")])
 def test_bad_requests_are_4xx_with_a_message(server, body, message):
     status, answer = post(server.url, body)
     assert status == 400 and message in answer["error"]["message"]
