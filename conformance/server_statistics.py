@@ -1,19 +1,23 @@
 """check-server's statistical check of sampled tokens (INTERPRETING.md section 11, "Sampled requests").
 
 A scenario with "distribution": true holds its sampled requests to the spec's distribution under each request's own
-sampling settings (temperature, top-k, top-p), by two Pearson chi-square tests at the statistical pack's false-alarm
+sampling settings (temperature, top-k, top-p), by three Pearson chi-square tests at the statistical pack's false-alarm
 rate (tolerances.json "draws" alpha), their sizes chosen by `python -m conformance.make.server_statistics` for its
 power against the usual wrong rules (conformance/rules.py):
 
   * first-token: the requests of a group (one prompt, one setting, seeds apart) draw their first token from one
     distribution, P0 = reference.probabilities(the spec's logits after the prompt). Their counts, pooled as the
     statistical pack pools them (chisquare.pooled_bins), against n * P0.
+  * second-token: the requests of a group that drew the same first token t0 draw their second from one distribution
+    too, the spec's after prompt + t0; the same test over those groups (conditional on how many drew each t0: given
+    those counts, each group's second tokens are multinomial). With n-gram drafts on a prompt that repeats one token
+    this is one speculative round's verdict, the draft known.
   * later-tokens: every later token t at position j is a draw from p_j = reference.probabilities(the spec's logits
     given the server's own preceding tokens), under speculative decoding too (exactness is that). Its randomised
-    probability integral transform u = F_j(t) - p_j(t) + V p_j(t), with F_j the cumulative distribution over the tokens in
-    order of decreasing p_j (ties: lower id first) and V uniform from a generator seeded by the scenario and the
-    request, is then uniform on [0, 1) given everything before it, so the u of all later tokens are independent
-    uniforms. Their counts in BINS equal bins against the uniform. A temperature too high puts u late, a draft kept
+    probability integral transform u = F_j(t) - p_j(t) + V p_j(t), with F_j the cumulative distribution over the
+    tokens in order of decreasing p_j (ties: lower id first) and V uniform from a generator seeded by the scenario
+    and the request, is then uniform on [0, 1) given everything before it, so the u of all later tokens are
+    independent uniforms. Their counts in BINS equal bins against the uniform. A temperature too high puts u late, a draft kept
     too often puts it where the draft tokens fall.
 
 A sampled token the spec gives no chance fails its request at once (rule "support", check_server.check_answer) unless

@@ -1,7 +1,7 @@
 """Deliberate scheduler and serving bugs for jax_impl's HTTP server (python -m jax_impl.http_server --inject-bug NAME):
-each is a one-line change to batch.py, serving.py or spec_decode.py of the kind a real engine shipped, applied to the module's source
-when the server starts (before anything imports it). tests/test_check_server.py serves with each and requires
-`check-server` to fail naming a scenario; conformance/INTERPRETING.md lists them. Without the flag nothing here runs.
+each is a one-line change to batch.py, serving.py or spec_decode.py of the kind a real engine shipped, applied to the
+module's source when the server starts (before anything imports it). tests/test_check_server.py serves with each and
+requires `check-server` to fail naming a scenario; conformance/INTERPRETING.md lists them. Without the flag nothing here runs.
 
     python -m jax_impl.injected_bugs          the catalogue, one bug a line
 """

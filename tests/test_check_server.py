@@ -186,11 +186,12 @@ def spec():
                          ("sampled-speculative", None), ("sampled-speculative", "temperature-ignored")])
 def test_the_distribution_tests_pass_the_spec_and_fail_a_wrong_rule(spec, scenario_name, rule):
     scenario = next(s for s in cs.load_scenarios() if s["name"] == scenario_name)
+    scenario = dict(scenario, requests=scenario["requests"][:1])    # one prompt's requests: every test, in seconds
     draw = R.probabilities if rule is None else rules.RULES[rule].parts.probabilities
     requests, answers = drawn_answers(scenario, spec, draw)
     records, failures = stats.check(spec, scenario, requests, answers, cs.RULES["greedy_margin"]["float32"])
     assert {r["test"] for r in records} == ({"first-token"} if scenario_name == "sampled-first-token" else
-                                            {"first-token", "later-tokens"})
+                                            {"first-token", "second-token", "later-tokens"})
     if rule is None:
         assert failures == [] and all(r["passed"] for r in records)
     else:
@@ -214,3 +215,18 @@ def test_the_transform_is_uniform_under_the_spec():
     rng = np.random.default_rng(1)
     u = [stats.transform(p, R.sample(p, rng.random()), rng.random()) for _ in range(20000)]
     assert np.histogram(u, bins=10, range=(0, 1))[0] == pytest.approx([2000] * 10, rel=0.1)
+
+
+def test_the_logprob_rule_holds_returned_logprobs_to_the_spec(spec):
+    scenario = next(s for s in cs.load_scenarios() if s["name"] == "single-greedy")
+    (_, r), = cs.expand(scenario, spec, 512, None)
+    answer = cs.Answer()
+    answer.ids, answer.finish = spec.greedy_tokens(r.prompt, range(r.max_tokens)), "length"
+    z = spec.logits(list(r.prompt) + answer.ids)[len(r.prompt) - 1:]
+    answer.logprobs = [float(cs.log_softmax(z[j])[t]) for j, t in enumerate(answer.ids)]
+    dialect, margin = cs.DIALECTS["jax_impl"], cs.RULES["greedy_margin"]["float32"]
+    atol = cs.RULES["logprob_atol"]["float32"]
+    assert cs.check_answer(spec, scenario, 0, r, answer, dialect, margin, atol) is None
+    answer.logprobs[5] -= 2 * atol
+    failed = cs.check_answer(spec, scenario, 0, r, answer, dialect, margin, atol)
+    assert (failed["rule"], failed["position"]) == ("logprob", 5)
