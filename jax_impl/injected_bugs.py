@@ -196,7 +196,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--check"]:  # --check [MODEL [SERVER FLAGS...]]
         model = sys.argv[2] if len(sys.argv) > 2 else str(HERE.parent / "weights" / "tiny-mtp")
         for line in check_catalogue(model, sys.argv[3:] or ["--slots", "16", "--max-draft-len", "8", "--step-width",
-                                                            "16", "--all-features"]):
+                                                            "16", "--all-features", "--cache-bytes", "3000000"]):
             print(line, flush=True)
     else:
         for bug in CATALOGUE:

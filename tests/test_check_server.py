@@ -25,7 +25,8 @@ from conformance.chisquare import TEST
 from jax_impl.injected_bugs import BUGS, touches_step
 
 MODEL = ROOT / "weights" / "tiny-mtp"   # 8 DeltaNet/attention layers and an MTP head; continues prompts variously
-PINNED = ["--slots", "16", "--max-draft-len", "8", "--step-width", "16", "--all-features"]
+# a prefix cache of about 7 entries (431,716 bytes each here), so that scenarios evict (prefix-cache-eviction)
+PINNED = ["--slots", "16", "--max-draft-len", "8", "--step-width", "16", "--all-features", "--cache-bytes", "3000000"]
 # three host-side bugs in CI (about 45 s each here: a server start and its scenario); the whole catalogue, host and
 # step program: python -m jax_impl.injected_bugs --check (INTERPRETING.md section 11 records it)
 HOST_BUGS = ["slot-reused-with-state", "cache-key-unchecked", "max-tokens-off-by-one", "sampled-temperature-dropped"]
