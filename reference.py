@@ -844,7 +844,7 @@ class Drafter(NamedTuple):
     taps: tuple = None   # target layers whose outputs new_hidden holds (None: the final-normed hidden state)
 
 
-def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
+def checked_propose(drafter, cfg):  # -> the drafter's propose, with what it returns checked
     """Drafts must be at most k ids in the vocabulary and, under sampling, come with a q (k', V) of distributions
     giving each drafted token a probability > 0 (speculative sampling divides by it)."""
     def propose(draft_state, context, new_hidden, k, sampling, rng):
@@ -1315,6 +1315,21 @@ def token_limit(cfg, prompt, max_new_tokens):
     return min(max_new_tokens, cfg.max_position_embeddings - len(prompt))
 
 
+def generation_stats(prompt_tokens, new_tokens, target_calls, seconds, drafts=None, draft_len=0, rollback=None,
+                     **more):
+    """A request's stats, as every engine and front end reports them (--json's "stats", jax_impl.generate's, the
+    server's results; docs/cli.md): the counts, tokens per target call after the prefill's, `seconds` as the engine
+    timed them. Speculative decoding (drafts: a mapping with proposed, accepted and the by-position counts, these cut
+    or zero-padded to draft_len entries) adds them and the rollback strategy; `more`: what else an engine reports."""
+    stats = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "target_calls": target_calls,
+             "tokens_per_call": (new_tokens - 1) / target_calls if target_calls else 0.0}
+    if drafts is not None:
+        stats.update(proposed=drafts["proposed"], accepted=drafts["accepted"], rollback=rollback)
+        for name in ("proposed_by_position", "accepted_by_position"):
+            stats[name] = (list(drafts[name]) + [0] * draft_len)[:draft_len]
+    return {**stats, **more, "seconds": seconds}
+
+
 def generate(params, cfg, prompt, max_new_tokens, sampling, rng, on_tokens=lambda new: None):
     """Plain decoding: prefill the prompt, then one forward per token. Stops at EOS or the length limit."""
     limit, tokens, start = token_limit(cfg, prompt, max_new_tokens), [], time.perf_counter()
@@ -1328,10 +1343,8 @@ def generate(params, cfg, prompt, max_new_tokens, sampling, rng, on_tokens=lambd
         if tokens[-1] in cfg.eos_token_id:
             break
     end = time.perf_counter()
-    calls = max(len(tokens) - 1, 0)
-    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
-                    "tokens_per_call": 1.0 if calls else 0.0,
-                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+    return tokens, generation_stats(len(prompt), len(tokens), max(len(tokens) - 1, 0),
+                                    {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start})
 
 
 def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, draft_len, rollback="replay",
@@ -1341,7 +1354,7 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
     limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
     stats = SpeculationStats(len(prompt), draft_len, rollback)
     target = stats.observe(reference_target(params, cfg, rollback, drafter.taps))
-    propose = stats.timed("draft", checked(drafter, cfg))
+    propose = stats.timed("draft", checked_propose(drafter, cfg))
     if limit > 0:
         logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg),
                                                                          drafter.taps)
@@ -1422,9 +1435,8 @@ def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng
         on_tokens(committed)
         calls += 1
     end = time.perf_counter()
-    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
-                    "tokens_per_call": (len(tokens) - 1) / calls if calls else 0.0, "tree": budget._asdict(),
-                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+    return tokens, generation_stats(len(prompt), len(tokens), calls, {"prefill": prefill_done - start, "decode":
+                                    end - prefill_done, "total": end - start}, tree=budget._asdict())
 
 
 TREE_LIMITS = {"nodes": 64, "depth": 16, "branch": 8}
@@ -2024,6 +2036,76 @@ TEMPERATURE_RANGE = (1e-3, 1e3)      # besides 0 (greedy): logits / T stays fini
 MAX_DRAFT_LEN = 32                   # jax_impl compiles a round for a fixed K (unrolling the MTP chain K times)
 
 
+# A request's settings: one table, one check. Each is a flag of both command lines (--NAME, dashes for
+# underscores), a keyword of jax_impl.generate and Server.submit, and a field of the JSONL and HTTP front ends
+# (python -m jax_impl.jsonl, jax_impl.http_server); every one of them checks it with check_settings, so a new setting
+# is a row here (and the engines' use of it).
+
+class Setting(NamedTuple):
+    name: str
+    kind: type                     # int, float or str: what the flag parses and a JSON value must be
+    default: object
+    ok: Callable                   # value -> whether it is allowed
+    rule: str                      # the message's "must be ..."
+    help: str
+
+
+def flag(name):  # a setting's command-line flag
+    return "--" + name.replace("_", "-")
+
+
+REQUEST_SETTINGS = {s.name: s for s in (
+    Setting("max_new_tokens", int, 64, lambda n: n >= 0, ">= 0", "generation also stops at the context limit"),
+    Setting("temperature", float, 0.0, lambda t: t == 0 or TEMPERATURE_RANGE[0] <= t <= TEMPERATURE_RANGE[1],
+            f"0 (greedy) or in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]",
+            f"0 = greedy, else in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]"),
+    Setting("top_k", int, 0, lambda k: k >= 0, ">= 0", "0 = off"),
+    Setting("top_p", float, 1.0, lambda p: 0 < p <= 1, "in (0, 1]", "in (0, 1]; 1 = off"),
+    Setting("seed", int, 0, lambda s: SEED_RANGE[0] <= s <= SEED_RANGE[1], f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
+            f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (default 0)"),
+    Setting("draft", str, "none", lambda d: True, "a drafter", "the drafter"),  # forms: make_drafter (or an engine's)
+    Setting("draft_len", int, 4, lambda k: 0 <= k <= MAX_DRAFT_LEN, f"in [0, {MAX_DRAFT_LEN}]",
+            f"K, draft tokens per round, in [0, {MAX_DRAFT_LEN}]"),
+    Setting("rollback", str, "replay", lambda r: r in ROLLBACK_STRATEGIES, f"one of {', '.join(ROLLBACK_STRATEGIES)}",
+            "how a round rolls the state back to the accepted prefix"),
+)}
+
+JSON_KINDS = {int: "an integer", float: "a number", str: "a string"}
+
+
+def check_settings(settings, label=str, engine_drafters=None):
+    """The check of a request's settings, {name: value} (any of REQUEST_SETTINGS): a UserError "LABEL VALUE: must be
+    RULE" for the first one out of range, label(name) naming it as the caller does (flag for the command lines).
+    engine_drafters: (engine, the --draft names it runs) for an engine that runs fewer drafters than this file (whose
+    --draft forms make_drafter checks when it builds one)."""
+    for name, value in settings.items():
+        setting = REQUEST_SETTINGS[name]
+        if not setting.ok(value) or value != value:  # value != value catches nan
+            raise UserError(f"{label(name)} {value}: must be {setting.rule}")
+    if engine_drafters and settings.get("draft", "none") not in engine_drafters[1]:
+        engine, names = engine_drafters
+        raise UserError(f"{label('draft')} {settings['draft']}: {engine} runs {', '.join(names[:-1])} and {names[-1]} on "
+                        "device (skip:N, model:DIR, dflash and the self-speculative drafters are reference.py only)")
+
+
+def json_setting(name, value, label=None):
+    """A setting's value from JSON (the JSONL and HTTP front ends) -> the Python value, of the setting's kind (an int is
+    a number, a bool is not)."""
+    kind = REQUEST_SETTINGS[name].kind
+    fits = isinstance(value, str) if kind is str else (
+        not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))
+    if not fits:
+        raise UserError(f"{label or name}: expected {JSON_KINDS[kind]}, got {value!r:.60}")
+    return kind(value)
+
+
+def check_prompt_text(text, label="--prompt"):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates (JSON: as \ud800)
+        raise UserError(f"{label} is not valid UTF-8 (at character {e.start})") from None
+
+
 class Backend(NamedTuple):
     """What the command line runs on: this file (REFERENCE, below) or jax_impl (python -m jax_impl), with the same
     flags, outputs and errors."""
@@ -2037,6 +2119,7 @@ class Backend(NamedTuple):
     generate: Callable             # (params, cfg, prompt, args, on_tokens) -> tokens, stats
     summary: Callable              # (stats) -> the line printed on stderr
     main_process: Callable         # () -> whether this process prints and writes (multi-host runs have several)
+    engine_drafters: tuple = None  # (engine, --draft names) where it runs fewer than this file (check_settings)
 
 
 def parse_args(argv, backend=None):
@@ -2045,38 +2128,20 @@ def parse_args(argv, backend=None):
     ap.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     ap.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="generation also stops at the context limit")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help=f"0 = greedy, else in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
-    ap.add_argument("--seed", type=int, default=0, help=f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (default 0)")
+    for s in REQUEST_SETTINGS.values():
+        choices = ROLLBACK_STRATEGIES if s.name == "rollback" else None
+        ap.add_argument(flag(s.name), type=s.kind, default=s.default, choices=choices,
+                        help=backend.drafters if s.name == "draft" else s.help)
     ap.add_argument("--dump-logits", metavar="PATH.npy", help="write the prompt's logits, float32 (T, V), and exit")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    ap.add_argument("--draft", default="none", help=backend.drafters)
-    ap.add_argument("--draft-len", type=int, default=4, help=f"K, draft tokens per round, in [0, {MAX_DRAFT_LEN}]")
-    ap.add_argument("--rollback", choices=ROLLBACK_STRATEGIES, default="replay")
     ap.add_argument("--ngram-table", metavar="PATH.json", help="offline n-gram table for --draft ngram")
     backend.add_flags(ap)
     args = ap.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
-    (low_t, high_t), (low_seed, high_seed) = TEMPERATURE_RANGE, SEED_RANGE
-    checks = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
-              ("--temperature", args.temperature, args.temperature == 0 or low_t <= args.temperature <= high_t,
-               f"0 (greedy) or in [{low_t}, {high_t}]"),
-              ("--top-k", args.top_k, args.top_k >= 0, ">= 0"),
-              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-              ("--seed", args.seed, low_seed <= args.seed <= high_seed, f"in [{low_seed}, {high_seed}]"),
-              ("--draft-len", args.draft_len, 0 <= args.draft_len <= MAX_DRAFT_LEN, f"in [0, {MAX_DRAFT_LEN}]")]
-    for flag, value, ok, rule in checks:
-        if not ok or value != value:  # value != value catches nan
-            raise UserError(f"{flag} {value}: must be {rule}")
+    check_settings({name: getattr(args, name) for name in REQUEST_SETTINGS}, flag, backend.engine_drafters)
     if args.prompt is not None:
-        try:
-            args.prompt.encode("utf-8")
-        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
-            raise UserError(f"--prompt is not valid UTF-8 (at character {e.start})") from None
+        check_prompt_text(args.prompt)
     return args
 
 
@@ -2137,9 +2202,9 @@ class SpeculationStats:
     def __init__(self, prompt_tokens, draft_len, rollback):
         self.start, self.rollback_bytes = time.perf_counter(), 0
         self.seconds = dict.fromkeys(("prefill", "draft", "verify", "rollback"), 0.0)
-        self.counts = {"prompt_tokens": prompt_tokens, "target_calls": 0, "proposed": 0, "accepted": 0,
+        self.counts = {"target_calls": 0, "proposed": 0, "accepted": 0,
                        "accepted_by_position": [0] * draft_len, "proposed_by_position": [0] * draft_len}
-        self.rollback = rollback
+        self.prompt_tokens, self.draft_len, self.rollback = prompt_tokens, draft_len, rollback
 
     def timed(self, phase, fn):
         def run(*args):
@@ -2167,10 +2232,9 @@ class SpeculationStats:
             c["accepted_by_position"][i] += i < accepted
 
     def result(self, new_tokens):
-        calls = self.counts["target_calls"]
-        return {**self.counts, "rollback": self.rollback, "rollback_bytes": self.rollback_bytes,
-                "new_tokens": new_tokens, "tokens_per_call": (new_tokens - 1) / calls if calls else 0.0,
-                "seconds": {**self.seconds, "total": time.perf_counter() - self.start}}
+        return generation_stats(self.prompt_tokens, new_tokens, self.counts["target_calls"],
+                                {**self.seconds, "total": time.perf_counter() - self.start}, self.counts,
+                                self.draft_len, self.rollback, rollback_bytes=self.rollback_bytes)
 
 
 def summary(stats):

@@ -63,7 +63,7 @@ def get_engine(spec, timeout=None):
         except Exception as e:
             raise EngineError(f"engine {spec}: creating {cls!r} failed: {type(e).__name__}: {e}") from None
     try:
-        return checked(engine, spec)
+        return validated_engine(engine, spec)
     except EngineError:
         if isinstance(engine, Engine):   # a refused engine holds nothing afterwards (a process engine: its process)
             engine.close()
@@ -112,7 +112,7 @@ def imported_class(spec):
     return getattr(module, attr)
 
 
-def checked(engine, spec):
+def validated_engine(engine, spec):
     """The engine with its features expanded from groups (format.FEATURE_GROUPS) and its precision checked."""
     features = getattr(engine, "features", None)
     if not isinstance(features, (set, frozenset, list, tuple)) or not all(isinstance(f, str) for f in features):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import Engine, EngineError, checked
+from . import Engine, EngineError, validated_engine
 from ..format import SUITE_VERSION
 from ..protocol import (MAX_LINE_BYTES, PROTOCOL_VERSION, ProtocolError, from_wire, new_files, to_wire,
                         write_files)
@@ -72,7 +72,7 @@ class ProcessEngine(Engine):
             self.refuse(f"exec:{command}: hello answered tensors={hello.get('tensors')!r} (inline or files) and "
                         f"optional_ops {sorted(unknown)} (known: {', '.join(OPTIONAL_OPS)})")
         try:
-            checked(self, f"exec:{command}")    # its features and precision, here so that a refusal stops it
+            validated_engine(self, f"exec:{command}")    # its features and precision, here so that a refusal stops it
         except EngineError as e:
             self.refuse(str(e))
 

@@ -426,7 +426,7 @@ def all_cases():
     yield from draws_cases()
 
 
-def generate(out_dir, progress=None, cases=None):
+def build_cases(out_dir, progress=None, cases=None):
     """Rewrite every case (or the given ones) under out_dir; case folders there that this run does not write are
     removed."""
     progress = progress or sys.stderr
@@ -493,5 +493,5 @@ def differences(fresh_dir, committed_dir, subset=False):
 def check(committed_dir, progress=None):
     """Regenerate into a temporary folder and compare with committed_dir -> the difference lines."""
     with tempfile.TemporaryDirectory() as tmp:
-        generate(Path(tmp), progress)
+        build_cases(Path(tmp), progress)
         return differences(Path(tmp), committed_dir)
