@@ -195,7 +195,7 @@ def send_scenario(url, dialect, model, requests, concurrency, timeout, tokenizer
     """Send a scenario's requests: each at its "at" time (seconds from the start), after its "after" request
     finished, at most `concurrency` in flight -> [Answer] in order."""
     answers = [Answer() for _ in requests]
-    start = time.monotonic()
+    start, in_flight = time.monotonic(), threading.BoundedSemaphore(concurrency)
 
     def one(index):
         spec, r = requests[index]
@@ -204,7 +204,8 @@ def send_scenario(url, dialect, model, requests, concurrency, timeout, tokenizer
         delay = start + spec.get("at", 0.0) - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        post(url, dialect, r, model, spec.get("cancel_after"), timeout, answers[index], tokenizer)
+        with in_flight:      # waiters released together still go out at most `concurrency` at a time
+            post(url, dialect, r, model, spec.get("cancel_after"), timeout, answers[index], tokenizer)
     # a request waiting for an earlier one must not hold a worker the earlier one needs: waiters get extra workers
     waiting = sum("after" in spec for spec, _ in requests)
     with ThreadPoolExecutor(max_workers=min(concurrency, len(requests)) + waiting) as pool:

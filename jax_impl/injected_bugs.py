@@ -98,8 +98,8 @@ CATALOGUE = (
         "new, bool(done)))", "concurrency-64"),
     Bug("sampled-temperature-dropped", "a sampled request's temperature reaches the sampler as 1 (the API's default "
         "put in place of the request's own)", "z-lab/dflash#74", "serving",
-        "np.float32(r.sampling.temperature), np.int32(r.sampling.top_k), np.float32(r.sampling.top_p),",
-        "np.float32(r.sampling.temperature and 1.0), np.int32(r.sampling.top_k), np.float32(r.sampling.top_p),",
+        "np.float32(r.sampling.temperature), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),",
+        "np.float32(r.sampling.temperature and 1.0), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),",
         "sampled-first-token"),
     Bug("residual-from-p", "the token after a rejected draft is drawn from p instead of normalise(max(0, p - q)) "
         "(rules.py residual-from-p)", "", "spec_decode",

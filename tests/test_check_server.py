@@ -137,7 +137,7 @@ def test_a_host_side_bug_fails_its_scenario(cache_dir, tmp_path, bug):
         served.stop()
     assert code == 1 and BUGS[bug].caught_by in failing(summary)
     first = failing(summary)[BUGS[bug].caught_by][0]
-    assert first["rule"] in ("greedy", "stop", "max_tokens", "distribution") and {
+    assert first["rule"] in ("greedy", "logprob", "stop", "max_tokens", "distribution") and {
         "request", "position", "prefix_tail", "spec_top", "server_token"} <= set(first)
 
 
