@@ -1412,34 +1412,88 @@ def ngram_tree(context, budget, max_ngram=3):  # -> tokens (N,) with the root co
     return tokens, parents
 
 
-def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, propose_tree, budget,
+class TreeDrafter(NamedTuple):
+    """A drafter of trees, a pure function over its own explicit state (Drafter's counterpart):
+    propose(draft_state, context, new_hidden, budget) -> tokens (N,) (the root context[-1]), parents (N,),
+    draft_state. Its drafts are deterministic: q is one-hot (accept_tree_speculative is then exact)."""
+    name: str
+    initial_state: object
+    propose: Callable
+
+
+NGRAM_TREE = TreeDrafter("ngram", None, lambda state, context, new_hidden, budget: (*ngram_tree(context, budget),
+                                                                                      state))
+
+
+def top_k_tree(root, depth_logits, budget):  # (D, V) logits at depths 1..D of an argmax chain -> tokens, parents
+    """A drafter's top-k at each depth as a tree: the spine is its argmax chain, and at depth d up to BRANCH of depth
+    d's most likely tokens (the first the spine's own) are children of the spine's node at depth d - 1. Of these the
+    NODES most likely to be reached under the drafter's own distribution (softmax of its logits; a node's chance
+    is the product along the spine to its parent times its token's) are kept. A parent is at least as likely as its
+    child and comes first among equals, so what is kept is a tree."""
+    q, reach, candidates = softmax(np.asarray(depth_logits[:budget.depth], np.float64)), 1.0, []
+    for depth, row in enumerate(q, 1):
+        order = np.argsort(-row, kind="stable")[:budget.branch]
+        candidates += [(-reach * row[t], depth, rank, int(t)) for rank, t in enumerate(order)]
+        reach *= row[order[0]]
+    kept = sorted(sorted(candidates)[:budget.nodes], key=lambda c: c[1:3])     # most likely, then by depth and rank
+    tokens, parents, spine = [int(root)], [-1], {0: 0}                          # spine: depth -> its node
+    for _, depth, rank, token in kept:
+        tokens.append(token)
+        parents.append(spine[depth - 1])
+        if rank == 0:
+            spine[depth] = len(tokens) - 1
+    return tokens, parents
+
+
+def mtp_tree_drafter(params, cfg):
+    """The MTP head's top-k at each depth (top_k_tree): the head catches up on the newly verified positions and
+    chains DEPTH times on its argmax (mtp_chain), so a tree costs the head what a chain of DEPTH drafts does."""
+    initial = mtp_drafter(params, cfg).initial_state          # (checks that the checkpoint has a usable head)
+
+    def propose(draft_state, context, new_hidden, budget):
+        start = draft_state.length                            # MTP pairs exist for positions [0, start)
+        depth_logits, _, committed = mtp_chain(params, cfg, draft_state,
+                                               context[start + 1:start + 1 + len(new_hidden)], new_hidden,
+                                               max(budget.depth, 1), lambda logits: int(np.argmax(logits)))
+        return (*top_k_tree(context[-1], depth_logits, budget), committed)
+    return TreeDrafter("mtp", initial, propose)
+
+
+def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, budget,
                               rollback="replay", on_tokens=lambda new: None):
-    """Speculative decoding with a draft tree per round: propose_tree(context, budget) -> tokens, parents (root =
-    context[-1]) with one-hot q. -> the tokens and generate's stats."""
+    """Speculative decoding with a draft tree per round from a TreeDrafter (one-hot q: deterministic drafts), within
+    the budget. -> the tokens and generate's stats, with the drafted nodes and the accepted depth of every round."""
     limit, tokens, calls, start = token_limit(cfg, prompt, max_new_tokens), [], 0, time.perf_counter()
-    prefill_done = start
+    prefill_done, draft_state, drafted, accepted, draft_s = start, drafter.initial_state, [], [], 0.0
     if limit > 0:
-        logits, _, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+        logits, new_hidden, state, _ = forward(params, cfg, prompt, empty_state(cfg))
         prefill_done = time.perf_counter()
         tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
         on_tokens(tokens[-1:])
     while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
         room = budget._replace(depth=min(budget.depth, limit - len(tokens) - 1))   # room for the target's token
-        tree, parents = propose_tree(list(prompt) + tokens, room)
-        logits, _, verified = verify_tree(params, cfg, state, tree, parents, rollback)
+        drafting = time.perf_counter()
+        tree, parents, draft_state = drafter.propose(draft_state, list(prompt) + tokens, new_hidden, room)
+        draft_s += time.perf_counter() - drafting
+        logits, hidden, verified = verify_tree(params, cfg, state, tree, parents, rollback)
         u = rng.random(len(tree)) if sampling.temperature else None
         path, token = accept_tree(tree, parents, one_hot(tree[1:], cfg.vocab_size), logits, sampling, u)
         committed = until_stop([tree[j] for j in path[1:]] + [token], cfg.eos_token_id)
-        state = commit_tree(verified, path[:len(committed)])
+        state, new_hidden = commit_tree(verified, path[:len(committed)]), hidden[path[:len(committed)]]
         tokens += committed
+        drafted.append(len(tree) - 1)
+        accepted.append(len(path) - 1)
         on_tokens(committed)
         calls += 1
     end = time.perf_counter()
-    return tokens, generation_stats(len(prompt), len(tokens), calls, {"prefill": prefill_done - start, "decode":
-                                    end - prefill_done, "total": end - start}, tree=budget._asdict())
+    return tokens, generation_stats(len(prompt), len(tokens), calls, {"prefill": prefill_done - start, "draft": draft_s,
+                                    "decode": end - prefill_done, "total": end - start}, tree=budget._asdict(),
+                                    drafter=drafter.name, drafted_nodes=drafted, accepted_depths=accepted)
 
 
 TREE_LIMITS = {"nodes": 64, "depth": 16, "branch": 8}
+TREE_DRAFTERS = {"ngram": lambda params, cfg: NGRAM_TREE, "mtp": mtp_tree_drafter}     # --draft NAME --tree
 
 
 def parse_tree_budget(text):  # "NODES[:DEPTH[:BRANCH]]" -> TreeBudget; depth defaults to nodes, branch to nodes
@@ -2408,12 +2462,13 @@ def reference_generate(params, cfg, prompt, args, on_tokens):
     table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
     if args.tree:
         budget = parse_tree_budget(args.tree)
-        if args.draft != "ngram" or table:
-            raise UserError("--tree drafts with the context n-gram lookup: give it with --draft ngram (no table)")
+        if args.draft not in TREE_DRAFTERS or table:
+            raise UserError("--tree drafts with the context n-gram lookup or the MTP head's top-k: give it with "
+                            "--draft ngram (no table) or --draft mtp")
         return generate_tree_speculative(params, cfg, prompt, args.max_new_tokens,
                                          Sampling(args.temperature, args.top_k, args.top_p),
-                                         np.random.default_rng(args.seed), ngram_tree, budget, args.rollback,
-                                         on_tokens)
+                                         np.random.default_rng(args.seed), TREE_DRAFTERS[args.draft](params, cfg),
+                                         budget, args.rollback, on_tokens)
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling, rng = Sampling(args.temperature, args.top_k, args.top_p), np.random.default_rng(args.seed)
     if drafter is None:
@@ -2427,8 +2482,8 @@ REFERENCE = Backend(
     f"{DRAFT_FORMS} (LAYERS: 0-based layers and ranges, e.g. 1-3,6; docs/self-speculative.md)",
     add_flags=lambda parser: parser.add_argument(
         "--tree", metavar="NODES[:DEPTH[:BRANCH]]",
-        help="verify a draft tree per round instead of a chain (with --draft ngram): at most NODES drafted nodes, "
-             "DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)"),
+        help="verify a draft tree per round instead of a chain (with --draft ngram or mtp): at most NODES drafted "
+             "nodes, DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)"),
     context=lambda args: contextlib.nullcontext(), load=lambda args: load_model(args.model),
     prompt_logits=lambda params, cfg, prompt: forward(params, cfg, prompt, empty_state(cfg))[0],
     generate=reference_generate, summary=summary, main_process=lambda: True)

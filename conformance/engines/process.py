@@ -244,6 +244,27 @@ class ProcessEngine(Engine):
                               uniforms=uniforms)
         return int(required(answer, "accepted", "accept")), int(required(answer, "token", "accept"))
 
+    def verify_tree(self, model, state, tokens, parents, rollback):
+        answer = self.request("verify_tree", model=model, state=state, tokens=[int(t) for t in tokens],
+                              parents=[int(p) for p in parents], rollback=rollback)
+        return required(answer, "logits", "verify_tree"), self.handle(answer, "pending", "verify_tree")
+
+    def commit_tree(self, model, pending, path):
+        return self.handle(self.request("commit_tree", model=model, pending=pending, path=[int(n) for n in path]),
+                           "state", "commit_tree")
+
+    def accept_tree(self, tokens, parents, q, logits, sampling, uniforms):
+        answer = self.request("accept_tree", tokens=[int(t) for t in tokens], parents=[int(p) for p in parents], q=q,
+                              logits=logits, sampling=sampling, uniforms=uniforms)
+        return ([int(n) for n in required(answer, "path", "accept_tree")],
+                int(required(answer, "token", "accept_tree")))
+
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        answer = self.request("accept_tree_draws", tokens=[int(t) for t in tokens], parents=[int(p) for p in parents],
+                              q=q, logits=logits, sampling=sampling, n=int(n), seed=int(seed))
+        return (np.asarray(required(answer, "ends", "accept_tree_draws"), np.int64),
+                np.asarray(required(answer, "tokens", "accept_tree_draws"), np.int64))
+
     def draw(self, logits, sampling, n, seed):
         answer = self.request("draw", logits=logits, sampling=sampling, n=int(n), seed=int(seed))
         return np.asarray(required(answer, "tokens", "draw"), np.int64)

@@ -24,6 +24,7 @@ from .golden import (DRAFT_LEN, GREEDY, checkpoint_features, discriminating_rows
                                 rng_for, runner_up, sampled_drafts, sampling_attrs, state_outputs, undiscriminated)
 from .draws import draws_cases
 from .traces import trace_cases
+from .trees import tree_cases
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
                "tiny-draft")
@@ -422,6 +423,7 @@ def all_cases():
     yield from sampling_cases()
     yield from speculative_cases()
     yield from mtp_cases()
+    yield from tree_cases()
     yield from trace_cases()
     yield from draws_cases()
 
