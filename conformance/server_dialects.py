@@ -26,6 +26,7 @@ class ServerRequest(NamedTuple):
     draft_len: int = None
     prompt_text: str = None       # the prompt as text, for a dialect whose API takes no ids (prompt_ids False)
     stop_texts: tuple = ()        # the stop ids a text-only API can take: each id's text, which encodes to it alone
+    cache_prompt: bool = None     # whether the prompt leaves a prefix-cache entry (None: the server's default)
 
 
 class Chunk(NamedTuple):
@@ -65,16 +66,20 @@ class Dialect:
 
 
 class JaxImpl(Dialect):
-    """jax_impl.http_server: OpenAI /v1/completions, ids in choices[].token_ids, the drafter per request."""
+    """jax_impl.http_server: OpenAI /v1/completions, ids in choices[].token_ids, each token's log-probability
+    (logprobs 0: choices[].logprobs.token_logprobs, held to the spec's), the drafter per request."""
     name = "jax_impl"
 
     def body(self, r, model):
         body = {"model": model, "prompt": list(r.prompt), "max_tokens": r.max_tokens, "stream": r.stream,
-                "stop_token_ids": list(r.stop_token_ids), "ignore_eos": r.ignore_eos, **sampling_fields(r)}
+                "stop_token_ids": list(r.stop_token_ids), "ignore_eos": r.ignore_eos, "logprobs": 0,
+                **sampling_fields(r)}
         if r.draft is not None:
             body["draft"] = r.draft
         if r.draft_len is not None:
             body["draft_len"] = r.draft_len
+        if r.cache_prompt is not None:
+            body["cache_prompt"] = r.cache_prompt
         return body
 
     def chunk(self, payload):

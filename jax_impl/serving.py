@@ -55,12 +55,14 @@ class Request(NamedTuple):
     draft_len: int = 4
     stop: tuple = None            # stop ids; None: the checkpoint's EOS ids
     cache_prompt: bool = False    # leave a prefix-cache entry of this prompt
+    logprobs: bool = False        # report each token's log-probability (Event.logprobs)
 
 
 class Event(NamedTuple):
     request: int                  # the id submit returned
     tokens: list                  # tokens committed since the last event of this request
     done: bool
+    logprobs: list = None         # the tokens' log-probabilities under the target's raw logits, where asked for
 
 
 class Entry(NamedTuple):
@@ -145,10 +147,10 @@ class Server:
     # The API
 
     def submit(self, prompt, max_new_tokens=64, sampling=Sampling(), seed=0, draft="none", draft_len=4, stop=None,
-               cache_prompt=False):
+               cache_prompt=False, logprobs=False):
         """Queue a request -> its id. Checked here: a bad request raises reference.UserError and is not queued."""
         r = Request(tuple(int(t) for t in prompt), max_new_tokens, sampling, seed, draft, draft_len,
-                    None if stop is None else tuple(stop), cache_prompt)
+                    None if stop is None else tuple(stop), cache_prompt, logprobs)
         limit = check_request(self.cfg, self.params, r)
         if len(r.prompt) + limit > self.context:
             raise UserError(f"the prompt ({len(r.prompt)} tokens) and {limit} new tokens exceed the server's context "
@@ -267,6 +269,7 @@ class Server:
     def collect(self):
         """Read the slots back: report new tokens, finish DONE requests, snapshot PAUSED ones -> [Event]."""
         phase, ntok, buf = (fetch(x) for x in (self.slots.phase, self.slots.ntok, self.slots.buf))
+        logprob = fetch(self.slots.logprob) if any(live and live.request.logprobs for live in self.live) else None
         events, self.finished = self.finished, []
         for index, live in enumerate(self.live):
             if live is None:
@@ -277,6 +280,8 @@ class Server:
             done = phase[index] == DONE
             if new or done:
                 events.append(Event(live.id, new, bool(done)))
+                if live.request.logprobs:
+                    events[-1] = events[-1]._replace(logprobs=logprob[index, P + live.emitted:P + generated].tolist())
                 self.live[index] = live = live._replace(emitted=generated)
             if done:
                 tokens = buf[index, P:P + generated].tolist()
