@@ -67,6 +67,7 @@ class Slots(NamedTuple):
     key: jax.Array            # (B,) jax.random keys
     settings: Settings
     stats: Stats              # spec_decode.Stats, one row per slot, by-position counts (B, MAX_DRAFT_LEN)
+    logprob: jax.Array        # (B, L) f32: each generated token's log-probability under the target's raw logits
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def slot_step(params, cfg, s, *, T, K, strategy, features, prefills):
     """One slot's part of a step (vmapped over the slots by `step`): s is one row of Slots."""
     drafters = compiled_drafters(features)
     row = Row(s.state, {name: s.drafts[name] for name in drafters if name in s.drafts}, s.buf, s.ntok, s.prefill_to,
-              s.phase, s.key, s.stats)
+              s.phase, s.key, s.stats, s.logprob)
     row = request_step(params, cfg, row, s.settings, T=T, K=K, rollback=strategy, features=features,
                        drafters=drafters, prefills=prefills)
     return s._replace(**row._replace(drafts={**s.drafts, **row.drafts})._asdict())
@@ -134,7 +135,7 @@ def empty_slots(cfg, slots, capacity, dtype=f32, mtp=False):
         settings = Settings(f32(0), zero, f32(1), zero, zero, zero, zero, jnp.full(MAX_STOP_IDS, -1, i32))
         stats = Stats(zero, zero, zero, jnp.zeros(MAX_DRAFT_LEN, i32), jnp.zeros(MAX_DRAFT_LEN, i32))
         return Slots(state, drafts, jnp.zeros(capacity, i32), zero, zero, jnp.int32(FREE), jax.random.key(0),
-                     settings, stats)
+                     settings, stats, jnp.zeros(capacity, f32))
     return jax.vmap(one)(jnp.arange(slots))
 
 
