@@ -82,6 +82,7 @@ class Slots(NamedTuple):
     key: jax.Array            # (B,) jax.random keys
     settings: Settings
     stats: Stats              # spec_decode.Stats, one row per slot, by-position counts (B, MAX_DRAFT_LEN)
+    logprob: jax.Array        # (B, L) f32: each generated token's log-probability under the target's raw logits
 
 
 class Features(NamedTuple):
@@ -187,6 +188,10 @@ def slot_step(params, cfg, s, *, T, K, strategy, features):
     buf = jnp.where(decoding, lax.dynamic_update_slice_in_dim(s.buf, new, s.ntok, 0),
                     jnp.where(prompt_done, s.buf.at[s.ntok].set(first), s.buf))
     ntok = s.ntok + jnp.where(decoding, n_decode, prompt_done.astype(i32))
+    logprobs = jax.nn.log_softmax(logits.astype(f32), axis=-1)    # beside buf: row i's for the token after it
+    logprob = jnp.where(decoding, lax.dynamic_update_slice_in_dim(
+        s.logprob, jnp.take_along_axis(logprobs, new[:, None], axis=1)[:, 0], s.ntok, 0),
+        jnp.where(prompt_done, s.logprob.at[s.ntok].set(logprobs[0, first]), s.logprob))
     mtp = s.mtp
     if features.mtp:  # the head consumes (hidden at each kept position, the token after it), as mtp_update
         n_mtp = jnp.where(st.drafter == MTP, n, 0)
@@ -201,7 +206,7 @@ def slot_step(params, cfg, s, *, T, K, strategy, features):
     if features.sample:  # a greedy row never draws with its key: in a step without sampled rows none advances
         key = jnp.where(decoding, jnp.where(plain, key2, key3), jnp.where(prompt_done, key2, s.key))
     stats = count(s.stats, decoding, m, accepted)
-    return s._replace(state=state, mtp=mtp, buf=buf, ntok=ntok, phase=phase, key=key, stats=stats)
+    return s._replace(state=state, mtp=mtp, buf=buf, ntok=ntok, phase=phase, key=key, stats=stats, logprob=logprob)
 
 
 def count(stats, decoding, m, accepted):
@@ -262,7 +267,7 @@ def empty_slots(cfg, slots, capacity, dtype=f32, mtp=False):
         settings = Settings(f32(0), zero, f32(1), zero, zero, zero, zero, jnp.full(MAX_STOP_IDS, -1, i32))
         stats = Stats(zero, zero, zero, jnp.zeros(MAX_DRAFT_LEN, i32), jnp.zeros(MAX_DRAFT_LEN, i32))
         return Slots(state, head, jnp.zeros(capacity, i32), zero, zero, jnp.int32(FREE), jax.random.key(0), settings,
-                     stats)
+                     stats, jnp.zeros(capacity, f32))
     return jax.vmap(one)(jnp.arange(slots))
 
 

@@ -15,7 +15,10 @@ picks a free port; the line names it). Endpoints:
 (default 1.0; 0 is greedy), top_p, seed, stream, and these extensions: top_k, stop_token_ids (ids that end the
 completion besides the checkpoint's EOS ids; ignore_eos: true drops the EOS ids), draft (none, ngram, mtp), draft_len,
 cache_prompt (default true: the prompt leaves a prefix-cache entry that later prompts beginning with it restore).
-Unsupported OpenAI fields (n > 1, best_of, echo, logprobs, stop strings, suffix) are refused, not ignored.
+logprobs: 0 returns each generated token's log-probability under the model's raw logits (before temperature, top-k
+and top-p, as vLLM's default) in the choice's OpenAI `logprobs` ({"tokens", "token_logprobs", "top_logprobs": null,
+"text_offset"}); no alternatives, so logprobs > 0 is refused. Unsupported OpenAI fields (n > 1, best_of, echo,
+logprobs > 0, stop strings, suffix) are refused, not ignored.
 Each choice carries `token_ids`, the generated ids (the stop id that ended it included), as vLLM's
 return_token_ids does, beside `text`; the response's `prompt_token_ids` are the prompt's. A bad request gets a 4xx
 with {"error": {"message", "type"}}. A client that disconnects has its request cancelled in the Server (its slot
@@ -36,16 +39,23 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from . import matvec, reference
+from .spec_decode import ENGINE_DRAFTERS
 from .weights import DTYPES, load
 
 UserError = reference.UserError
 MAX_BODY_BYTES = 2**24          # a request body; a prompt of ids at ~8 bytes each: 2M tokens
 REFUSED = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1), "echo": bool,
-           "logprobs": lambda v: v is not None, "stop": lambda v: v not in (None, [], ""),
-           "suffix": lambda v: v not in (None, "")}
-KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop_token_ids",
-         "ignore_eos", "draft", "draft_len", "cache_prompt", "user", "return_token_ids", "stream_options",
-         "presence_penalty", "frequency_penalty", *REFUSED}
+           "logprobs": lambda v: v is not None and (isinstance(v, bool) or v != 0),
+           "stop": lambda v: v not in (None, [], ""), "suffix": lambda v: v not in (None, "")}
+FIELD_OF = {"max_new_tokens": "max_tokens", "stop": "stop_token_ids"}   # a setting -> its OpenAI field, where named apart
+SETTINGS = {FIELD_OF.get(name, name): name for name in reference.REQUEST_SETTINGS if name != "rollback"}  # the server's
+DEFAULTS = {"max_new_tokens": 16, "temperature": 1.0}                    # OpenAI's, where they differ from ours
+KNOWN = {"model", "prompt", *SETTINGS, "stream", "stop_token_ids", "ignore_eos", "cache_prompt", "user",
+         "return_token_ids", "stream_options", "presence_penalty", "frequency_penalty", *REFUSED}
+
+
+def field_of(name):
+    return FIELD_OF.get(name, name)
 
 
 def parse_args(argv):
@@ -80,24 +90,6 @@ def parse_args(argv):
 
 class BadRequest(Exception):
     """A request the server refuses: HTTP 400 with this message."""
-
-
-def integer(body, name, default, low, high):
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRequest(f"{name}: expected an integer in [{low}, {high}], got {value!r:.60}")
-    return value
-
-
-def number(body, name, default):
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{name}: expected a number, got {value!r:.60}")
-    return float(value)
 
 
 def token_ids(value, name, vocab):
@@ -139,15 +131,15 @@ def completion_request(body, cfg, tokenizer, context):
     for name in ("stream", "cache_prompt"):
         if not isinstance(body.get(name, False), bool):
             raise BadRequest(f"{name}: expected true or false")
-    draft = body.get("draft", "none")
-    if not isinstance(draft, str):
-        raise BadRequest("draft: expected a string")
-    sampling = reference.Sampling(number(body, "temperature", 1.0), integer(body, "top_k", 0, 0, 2**31 - 1),
-                                  number(body, "top_p", 1.0))
-    kwargs = dict(prompt=prompt, max_new_tokens=integer(body, "max_tokens", 16, 0, 2**31 - 1), sampling=sampling,
-                  seed=integer(body, "seed", 0, *reference.SEED_RANGE), draft=draft,
-                  draft_len=integer(body, "draft_len", 4, 0, reference.MAX_DRAFT_LEN),
-                  stop=tuple(dict.fromkeys(eos + stop)), cache_prompt=body.get("cache_prompt", True))
+    try:
+        settings = {name: DEFAULTS.get(name, reference.REQUEST_SETTINGS[name].default) if body.get(field) is None
+                    else reference.json_setting(name, body[field], field) for field, name in SETTINGS.items()}
+        reference.check_settings(settings, field_of, ENGINE_DRAFTERS)
+    except UserError as e:
+        raise BadRequest(str(e)) from None
+    sampling = reference.Sampling(*(settings.pop(name) for name in reference.Sampling._fields))
+    kwargs = dict(prompt=prompt, **settings, sampling=sampling, stop=tuple(dict.fromkeys(eos + stop)),
+                  cache_prompt=body.get("cache_prompt", True), logprobs=body.get("logprobs") is not None)
     if len(prompt) + kwargs["max_new_tokens"] > context:
         raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens {kwargs['max_new_tokens']} exceed the "
                          f"server's context of {context} tokens")
@@ -156,7 +148,7 @@ def completion_request(body, cfg, tokenizer, context):
 
 class Engine:
     """The thread that owns the Server. submit/cancel are called from the event loop; tokens come back through each
-    request's `deliver(tokens, done)`, called in the engine thread."""
+    request's `deliver(tokens, done, logprobs)`, called in the engine thread."""
 
     def __init__(self, server):
         self.server, self.inbox, self.sinks = server, queue.Queue(), {}
@@ -204,7 +196,7 @@ class Engine:
             except Exception as e:  # a fault of the engine itself: every open request hears of it
                 self.failure = f"{type(e).__name__}: {e}"
                 for deliver in self.sinks.values():
-                    deliver(None, True)
+                    deliver(None, True, None)
                 self.sinks.clear()
                 raise
             for event in events:
@@ -213,7 +205,7 @@ class Engine:
                     self.sinks.pop(event.request, None)
                     self.server.results.pop(event.request, None)  # the tokens went out with the events
                 if deliver is not None:
-                    deliver(event.tokens, event.done)
+                    deliver(event.tokens, event.done, event.logprobs)
 
 
 def error_response(web, status, message, kind="invalid_request_error"):
@@ -228,6 +220,14 @@ def make_app(engine, cfg, tokenizer, model_name):
 
     def finish_reason(tokens, stop):
         return "stop" if tokens and tokens[-1] in stop else "length"
+
+    def logprobs_of(tokens, logprobs, offset):
+        """OpenAI's completion logprobs for these tokens (text offsets from `offset`), or None if not asked for."""
+        if logprobs is None:
+            return None
+        pieces = [text_of([t]) if tokenizer else f"token_id:{t}" for t in tokens]
+        offsets = [offset + sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
     async def health(request):
         return web.json_response({"status": "ok" if engine.failure is None else engine.failure})
@@ -249,24 +249,26 @@ def make_app(engine, cfg, tokenizer, model_name):
             return error_response(web, 503, f"the engine failed: {engine.failure}", "server_error")
         loop, chunks = asyncio.get_running_loop(), asyncio.Queue()
 
-        def deliver(tokens, done):  # engine thread -> event loop
-            loop.call_soon_threadsafe(chunks.put_nowait, (tokens, done))
+        def deliver(tokens, done, logprobs):  # engine thread -> event loop
+            loop.call_soon_threadsafe(chunks.put_nowait, (tokens, done, logprobs))
         try:
             request_id = await asyncio.wrap_future(engine.submit(kwargs, deliver))
         except UserError as e:
             return error_response(web, 400, str(e))
         name, created, stop = f"cmpl-{request_id}", int(time.time()), set(kwargs["stop"])
         head = {"id": name, "object": "text_completion", "created": created, "model": model_name}
-        finished, tokens = False, []
+        finished, tokens, logprobs = False, [], [] if kwargs["logprobs"] else None
         try:
             if not stream:
                 while not finished:
-                    new, finished = await chunks.get()
+                    new, finished, new_logprobs = await chunks.get()
                     if new is None:
                         return error_response(web, 500, f"the engine failed: {engine.failure}", "server_error")
                     tokens += new
-                choice = {"index": 0, "text": text_of(tokens), "token_ids": tokens, "logprobs": None,
-                          "finish_reason": finish_reason(tokens, stop)}
+                    if logprobs is not None:
+                        logprobs += new_logprobs or []
+                choice = {"index": 0, "text": text_of(tokens), "token_ids": tokens,
+                          "logprobs": logprobs_of(tokens, logprobs, 0), "finish_reason": finish_reason(tokens, stop)}
                 usage = {"prompt_tokens": len(kwargs["prompt"]), "completion_tokens": len(tokens),
                          "total_tokens": len(kwargs["prompt"]) + len(tokens)}
                 return web.json_response({**head, "choices": [choice], "prompt_token_ids": kwargs["prompt"],
@@ -275,13 +277,15 @@ def make_app(engine, cfg, tokenizer, model_name):
             await response.prepare(request)
             sent_text = ""
             while not finished:
-                new, finished = await chunks.get()
+                new, finished, new_logprobs = await chunks.get()
                 if new is None:
                     break
                 tokens += new
                 text = text_of(tokens)  # whole-sequence decoding, so that multi-token characters come out whole
                 delta, sent_text = text[len(sent_text):] if text.startswith(sent_text) else text, text
-                choice = {"index": 0, "text": delta, "token_ids": new, "logprobs": None,
+                choice = {"index": 0, "text": delta, "token_ids": new,
+                          "logprobs": logprobs_of(new, None if logprobs is None else new_logprobs or [],
+                                                  len(sent_text) - len(delta)),
                           "finish_reason": finish_reason(tokens, stop) if finished else None}
                 await response.write(f"data: {json.dumps({**head, 'choices': [choice]})}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")

@@ -1,7 +1,7 @@
 """Deliberate scheduler and serving bugs for jax_impl's HTTP server (python -m jax_impl.http_server --inject-bug NAME):
-each is a one-line change to batch.py or serving.py of the kind a real engine shipped, applied to the module's source
-when the server starts (before anything imports it). tests/test_check_server.py serves with each and requires
-`check-server` to fail naming a scenario; conformance/INTERPRETING.md lists them. Without the flag nothing here runs.
+each is a one-line change to batch.py, serving.py or spec_decode.py of the kind a real engine shipped, applied to the
+module's source when the server starts (before anything imports it). tests/test_check_server.py serves with each and
+requires `check-server` to fail naming a scenario; conformance/INTERPRETING.md lists them. Without the flag nothing here runs.
 
     python -m jax_impl.injected_bugs          the catalogue, one bug a line
 """
@@ -20,7 +20,7 @@ class Bug(NamedTuple):
     name: str
     does: str              # what the server then gets wrong
     mirrors: str           # the published bug it stands for ("" where there is none to cite)
-    module: str            # batch or serving
+    module: str            # batch, serving or spec_decode
     original: str          # a line of the module, without its indentation: it must occur exactly once
     replacement: str
     caught_by: str         # a scenario that catches it (the test runs this one)
@@ -59,9 +59,7 @@ CATALOGUE = (
         "whole = (n == after.length - before.length) | (n == 1)", "speculative-acceptance-mix"),
     Bug("partial-pass-rolled-back", "only a full-width pass keeps its own state: a prefill chunk in a step with "
         "drafts is rolled back to its first K+1 positions (mixed prefill/decode batches)", "sglang#39342", "batch",
-        "whole = n == after.length - before.length", "whole = n == K + 1", "concurrent-mixed-lengths",
-        "the scheduler prefills on from the state's own length, so a chunk cut short is only re-prefilled: slower, "
-        "the same tokens"),
+        "whole = n == after.length - before.length", "whole = n == K + 1", "prompts-without-cache"),
     Bug("commit-rejected-draft", "the first rejected draft is committed in place of the target's own token",
         "llama.cpp#28019", "batch",
         "new = jnp.where(positions < accepted, jnp.append(drafts, 0), token)",
@@ -70,9 +68,7 @@ CATALOGUE = (
     Bug("stop-ignored-in-draft-block", "a stop id among accepted drafts does not end the request (only the "
         "target's own token is tested)", "", "batch",
         "stops = jnp.isin(new, stop) & (positions <= accepted)",
-        "stops = jnp.isin(new, stop) & (positions == accepted)", "stop-ids",
-        "on the tiny checkpoints a token is never first generated as an accepted draft (their continuations do not "
-        "copy the context), so a stop id is always the target's own token; a checkpoint that copies would show it"),
+        "stops = jnp.isin(new, stop) & (positions == accepted)", "stop-in-accepted-drafts"),
     Bug("drafts-past-max-tokens", "drafts are not cut at the tokens left, so an accepted block runs past "
         "max_tokens", "", "batch",
         "return drafts, q, jnp.minimum(m, st.limit - (s.ntok - st.prompt_len) - 1)",
@@ -100,6 +96,24 @@ CATALOGUE = (
         "events.append(Event(live.id, new, bool(done)))",
         "events.append(Event(self.live[index - 1].id if index and self.live[index - 1] and not done else live.id, "
         "new, bool(done)))", "concurrency-64"),
+    Bug("sampled-temperature-dropped", "a sampled request's temperature reaches the sampler as 1 (the API's default "
+        "put in place of the request's own)", "z-lab/dflash#74", "serving",
+        "np.float32(r.sampling.temperature), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),",
+        "np.float32(r.sampling.temperature and 1.0), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),",
+        "sampled-first-token"),
+    Bug("residual-from-p", "the token after a rejected draft is drawn from p instead of normalise(max(0, p - q)) "
+        "(rules.py residual-from-p)", "", "spec_decode",
+        "use_residual = (n < m) & (residual.sum() > 0)",
+        "use_residual = (n < m) & (residual.sum() < 0)", "sampled-speculative"),
+    Bug("ratio-inverted", "a draft is kept with chance min(1, q/p) instead of min(1, p/q) (rules.py ratio-inverted: "
+        "an n-gram's one-hot draft is then always kept)", "", "spec_decode",
+        "ok = (u[:K] < jnp.minimum(1, p_x / q_x)) & (jnp.arange(K) < m)",
+        "ok = (u[:K] < jnp.minimum(1, q_x / p_x)) & (jnp.arange(K) < m)", "sampled-speculative"),
+    Bug("logprobs-one-token-late", "each returned log-probability is the previous token's (the log-probabilities "
+        "read one position behind the tokens)", "", "serving",
+        "events[-1] = events[-1]._replace(logprobs=logprob[index, P + live.emitted:P + generated].tolist())",
+        "events[-1] = events[-1]._replace(logprobs=logprob[index, P + live.emitted - 1:P + generated - 1].tolist())",
+        "single-greedy"),
 )
 BUGS = {bug.name: bug for bug in CATALOGUE}
 
@@ -118,7 +132,8 @@ def enclosing_function(bug):
 def touches_step(bug):
     """Whether the bug changes the compiled step program (batch.py outside the slot bookkeeping), so that a server
     with it compiles its own."""
-    return bug.module == "batch" and enclosing_function(bug) not in ("admit", "free", "read_slot", "resume")
+    return bug.module == "spec_decode" or (bug.module == "batch" and enclosing_function(bug) not in (
+        "admit", "free", "read_slot", "resume"))
 
 
 def mutated_source(bug):
@@ -154,11 +169,14 @@ def server_class(name):
 
 
 def check_catalogue(model, flags):
-    """Serve with each bug in turn and run check-server on the scenario that should catch it -> lines to print."""
+    """Serve with each bug in turn and run check-server (the kit's command line: jax_impl imports nothing of the kit,
+    which sits above it) on the scenario that should catch it -> lines to print."""
+    import json
     import os
     import subprocess
     import tempfile
-    from conformance import check_server as cs
+    kit = __package__.rpartition(".")[0]        # "" in a clone, "qwen35" installed
+    conformance = f"{kit}.conformance" if kit else "conformance"
     cache = tempfile.mkdtemp(prefix="jax-cache-")  # the bugs outside the step program share its compilation
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -167,8 +185,13 @@ def check_catalogue(model, flags):
                                     "0", "--inject-bug", bug.name, *flags], stdout=subprocess.PIPE, text=True, env=env)
         try:
             url = process.stdout.readline().split()[-1]
-            summary, code = cs.check_server(url, model, f"^{bug.caught_by}$", log=lambda line: None, timeout=300)
-            failures = summary["scenarios"][0]["failures"]
+            report = Path(cache) / f"{bug.name}.json"
+            check = subprocess.run([sys.executable, "-m", conformance, "check-server", "--url", url, "--model", model,
+                                    "--scenarios", f"^{bug.caught_by}$", "--timeout", "300", "--report", str(report)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if check.returncode not in (0, 1):
+                raise AssertionError(f"check-server failed to run: {check.stderr.strip()}")
+            code, failures = check.returncode, json.loads(report.read_text())["scenarios"][0]["failures"]
             first = failures[0] if failures else {}
             yield (f"{bug.name:<36} {'CAUGHT' if code else 'MISSED'} by {bug.caught_by}: {len(failures)} failing "
                    f"requests, first {first.get('rule')} at position {first.get('position')}")
@@ -181,7 +204,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--check"]:  # --check [MODEL [SERVER FLAGS...]]
         model = sys.argv[2] if len(sys.argv) > 2 else str(HERE.parent / "weights" / "tiny-mtp")
         for line in check_catalogue(model, sys.argv[3:] or ["--slots", "16", "--max-draft-len", "8", "--step-width",
-                                                            "16", "--all-features"]):
+                                                            "16", "--all-features", "--cache-bytes", "3000000"]):
             print(line, flush=True)
     else:
         for bug in CATALOGUE:
