@@ -288,15 +288,21 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     v = (x @ v_proj.T).reshape(T, Hkv, Dh)                        # (T, Hkv, Dh)
     q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
     keys, values = np.concatenate([state.k, k]), np.concatenate([state.v, v])   # (S, Hkv, Dh)
-    q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
-    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
     if parents is None:
         visible = np.arange(len(keys))[None, :] <= positions[:, None]           # (T, S) causal
     else:                                                                       # the prefix and own ancestors
         visible = np.concatenate([np.ones((T, len(state.k)), bool), ancestor_mask(parents)], axis=1)
-    weights = softmax(np.where(visible, scores, -np.inf))
-    out = np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq * Dh)      # (T, Hq*Dh)
+    out = gqa_attention(q, keys, values, visible).reshape(T, Hq * Dh)           # (T, Hq*Dh)
     return (out * sigmoid(gate)) @ o_proj.T, AttnState(keys, values)
+
+
+def gqa_attention(q, keys, values, visible):  # (T, Hq, Dh), (S, Hkv, Dh) x2, (T, S) bool -> (T, Hq, Dh)
+    """Softmax attention scaled by Dh^-0.5; query head h reads key/value head h // (Hq / Hkv)."""
+    (T, Hq, Dh), Hkv = q.shape, keys.shape[1]
+    q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
+    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
+    weights = softmax(np.where(visible, scores, -np.inf))
+    return np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq, Dh)
 
 
 def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
@@ -305,10 +311,7 @@ def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
 
 def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T, D) -> (T, D)
     """Softmax router over E experts, top-k renormalised, plus a shared expert behind a sigmoid gate."""
-    probs = softmax(x @ gate.T)                                              # (T, E)
-    top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]   # (T, k)
-    top_weights = np.take_along_axis(probs, top, axis=-1)
-    top_weights /= top_weights.sum(axis=-1, keepdims=True)                    # (T, k)
+    top, top_weights = route(x @ gate.T, cfg.num_experts_per_tok)            # (T, k) x2
     out = np.zeros_like(x)
     F = experts["down_proj"].shape[-1]       # moe_intermediate_size (a partial-MLP drafter keeps fewer)
     for e in np.unique(top):
@@ -317,6 +320,14 @@ def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T,
         y = (silu(gate_up[:, :F]) * gate_up[:, F:]) @ experts["down_proj"][e].T
         out[rows] += top_weights[rows, slot, None] * y
     return out + sigmoid(x @ shared_expert_gate.T) * mlp(x, **shared_expert)
+
+
+def route(logits, k):  # (T, E) router logits -> expert ids (T, k), their weights (T, k)
+    """Softmax over all experts, the k most probable (ties: the lower expert id first), weights renormalised."""
+    probs = softmax(logits)                                                  # (T, E)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]                  # (T, k)
+    top_weights = np.take_along_axis(probs, top, axis=-1)
+    return top, top_weights / top_weights.sum(axis=-1, keepdims=True)
 
 
 def token_mixer(x, kind, layer, state, positions, cfg, parents=None):  # (T, D) -> (T, D) update, layer state, Tape
