@@ -2396,7 +2396,7 @@ def parse_layers(spec, text, cfg):  # "1-3,6" -> (1, 2, 3, 6)
     return tuple(sorted(layers))
 
 
-def partial_mlp_drafter(spec, args, params, cfg):
+def partial_mlp_setting(spec, args, cfg):  # "F[:LAYERS]" -> (F, layers)
     fraction, has_layers, layers = args.partition(":")
     try:
         fraction = float(fraction)
@@ -2404,8 +2404,11 @@ def partial_mlp_drafter(spec, args, params, cfg):
         fraction = math.nan
     if not 0 < fraction <= 1:
         raise UserError(f"--draft {spec}: F must be a fraction in (0, 1]")
-    layers = parse_layers(spec, layers, cfg) if has_layers else tuple(range(cfg.num_hidden_layers))
-    return cheapened_drafter(spec, partial_mlp_params(params, cfg, fraction, layers), cfg)
+    return fraction, parse_layers(spec, layers, cfg) if has_layers else tuple(range(cfg.num_hidden_layers))
+
+
+def partial_mlp_drafter(spec, args, params, cfg):
+    return cheapened_drafter(spec, partial_mlp_params(params, cfg, *partial_mlp_setting(spec, args, cfg)), cfg)
 
 
 def residual_layer(spec, text, cfg):

@@ -55,6 +55,9 @@ def compiled_drafters(features):
     return ("ngram",) + (("mtp",) if features.mtp else ())
 
 
+SERVED_DRAFTERS = ("none", *compiled_drafters(Features(mtp=True)))   # a request's drafter in a server (no arguments)
+
+
 class Slots(NamedTuple):
     """B requests' spec_decode.Rows stacked, slot axis first, and their Settings (of (B,) arrays; Settings.drafter
     an index into DRAFTER_NAMES)."""

@@ -161,7 +161,7 @@ def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T,
     """Softmax router, top-k renormalised, plus a gated shared expert. Each token gathers only its k experts'
     weights (e indexes the chosen ones), so a decode step reads k experts, not E."""
     top, top_weights = route(matmul(x, gate), cfg.num_experts_per_tok)       # (T, k) x2
-    F = cfg.moe_intermediate_size
+    F = experts["down_proj"].shape[-1]                                        # moe_intermediate_size
     gate_up = jnp.einsum("td,tefd->tef", x, experts["gate_up_proj"][top])    # (T, k, 2F)  gate rows first
     y = jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]                     # (T, k, F)
     out = jnp.einsum("te,tef,tedf->td", top_weights.astype(x.dtype), y, experts["down_proj"][top])

@@ -202,9 +202,9 @@ class Jax(Engine):
         return int(accepted), int(token)
 
     def run_trace(self, model, batches, rollback, slots):
-        """The batched path: `slots` request slots (jax_impl.batch's slot axis, released slots reused lowest first), each
-        batch's rows in one call of jax_impl.explicit_step (a prefill longer than its width goes on in further calls
-        of the rows left), every step's outputs read back after it. Snapshots are copies of a slot's row."""
+        """The batched path: `slots` request slots (jax_impl's batch slot axis, released slots reused lowest first),
+        each batch's rows in one call of jax_impl.explicit_step (a prefill longer than its width goes on in further
+        calls of the rows left), every step's outputs read back after it. Snapshots are copies of a slot's row."""
         cfg, params = model
         trace = TraceSlots(cfg, params, slots, rollback or "replay", max_drafts(batches))
         for b, batch_steps in enumerate(batches):

@@ -290,7 +290,8 @@ def spec_case(checkpoint, label, prompt_ids, state, verify_tokens, q, uniforms, 
     if mode == "sampling":
         inputs.update(q=f32(q), uniforms=f32(uniforms))
     return Case(f"spec-{checkpoint}-{label}-{rollback}", "speculative",
-                f"reference.accept_{'greedy' if mode == 'greedy' else 'speculative'}, reference.{strategy.commit.__name__}",
+                f"reference.accept_{'greedy' if mode == 'greedy' else 'speculative'}, "
+                f"reference.{strategy.commit.__name__}",
                 f"prefill the prompt, verify [last token + {len(draft)} drafts], accept {accepted}, commit {n} "
                 f"positions by {rollback}, then decode the new token",
                 ("prefill", "decode", "speculative", f"rollback:{rollback}", f"accept:{mode}")
