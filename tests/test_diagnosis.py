@@ -34,8 +34,12 @@ SHOWN_BY = {
     "replay-one-step-short": "spec-tiny-dense-sampling-accept0-replay",
     "replay-one-step-long": "spec-tiny-dense-sampling-accept0-replay",
     "count-the-matches": "trace-greedy-rematch-tiny-draft-greedy",
+    **{name: "dflash-tiny-mtp-tiny-mtp-dflash" for name in (
+        "dflash-mask-in-first-slot", "dflash-not-cropped", "dflash-taps-one-early", "dflash-taps-sorted",
+        "dflash-features-without-norm")},
 }
-CALLS = ("prefill", "decode", "run_op", "sample", "verify", "commit", "accept", "mtp_hidden", "mtp_draft")
+CALLS = ("prefill", "decode", "run_op", "sample", "verify", "commit", "accept", "mtp_hidden", "mtp_draft",
+         "dflash_features", "dflash_draft")
 
 
 def engine_making(mistake):

@@ -83,7 +83,7 @@ def host(x):
 
 @register_engine("jax")
 class Jax(Engine):
-    features = frozenset(FEATURES)
+    features = frozenset(FEATURES) - {"dflash"}
     dtype = "float32"                 # of weights and activations (jax_impl.weights.DTYPES)
 
     def load(self, checkpoint_dir):
