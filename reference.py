@@ -844,7 +844,7 @@ class Drafter(NamedTuple):
     taps: tuple = None   # target layers whose outputs new_hidden holds (None: the final-normed hidden state)
 
 
-def checked(drafter, cfg):  # -> the drafter's propose, with what it returns checked
+def checked_propose(drafter, cfg):  # -> the drafter's propose, with what it returns checked
     """Drafts must be at most k ids in the vocabulary and, under sampling, come with a q (k', V) of distributions
     giving each drafted token a probability > 0 (speculative sampling divides by it)."""
     def propose(draft_state, context, new_hidden, k, sampling, rng):
@@ -1332,6 +1332,21 @@ def token_limit(cfg, prompt, max_new_tokens):
     return min(max_new_tokens, cfg.max_position_embeddings - len(prompt))
 
 
+def generation_stats(prompt_tokens, new_tokens, target_calls, seconds, drafts=None, draft_len=0, rollback=None,
+                     **more):
+    """A request's stats, as every engine and front end reports them (--json's "stats", jax_impl.generate's, the
+    server's results; docs/cli.md): the counts, tokens per target call after the prefill's, `seconds` as the engine
+    timed them. Speculative decoding (drafts: a mapping with proposed, accepted and the by-position counts, these cut
+    or zero-padded to draft_len entries) adds them and the rollback strategy; `more`: what else an engine reports."""
+    stats = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "target_calls": target_calls,
+             "tokens_per_call": (new_tokens - 1) / target_calls if target_calls else 0.0}
+    if drafts is not None:
+        stats.update(proposed=drafts["proposed"], accepted=drafts["accepted"], rollback=rollback)
+        for name in ("proposed_by_position", "accepted_by_position"):
+            stats[name] = (list(drafts[name]) + [0] * draft_len)[:draft_len]
+    return {**stats, **more, "seconds": seconds}
+
+
 def generate(params, cfg, prompt, max_new_tokens, sampling, rng, on_tokens=lambda new: None):
     """Plain decoding: prefill the prompt, then one forward per token. Stops at EOS or the length limit."""
     limit, tokens, start = token_limit(cfg, prompt, max_new_tokens), [], time.perf_counter()
@@ -1345,10 +1360,8 @@ def generate(params, cfg, prompt, max_new_tokens, sampling, rng, on_tokens=lambd
         if tokens[-1] in cfg.eos_token_id:
             break
     end = time.perf_counter()
-    calls = max(len(tokens) - 1, 0)
-    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
-                    "tokens_per_call": 1.0 if calls else 0.0,
-                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+    return tokens, generation_stats(len(prompt), len(tokens), max(len(tokens) - 1, 0),
+                                    {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start})
 
 
 def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, draft_len, rollback="replay",
@@ -1358,7 +1371,7 @@ def generate_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, dra
     limit, tokens = token_limit(cfg, prompt, max_new_tokens), []
     stats = SpeculationStats(len(prompt), draft_len, rollback)
     target = stats.observe(reference_target(params, cfg, rollback, drafter.taps))
-    propose = stats.timed("draft", checked(drafter, cfg))
+    propose = stats.timed("draft", checked_propose(drafter, cfg))
     if limit > 0:
         logits, new_hidden, state, _ = stats.timed("prefill", forward)(params, cfg, prompt, empty_state(cfg),
                                                                          drafter.taps)
@@ -1416,35 +1429,88 @@ def ngram_tree(context, budget, max_ngram=3):  # -> tokens (N,) with the root co
     return tokens, parents
 
 
-def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, propose_tree, budget,
+class TreeDrafter(NamedTuple):
+    """A drafter of trees, a pure function over its own explicit state (Drafter's counterpart):
+    propose(draft_state, context, new_hidden, budget) -> tokens (N,) (the root context[-1]), parents (N,),
+    draft_state. Its drafts are deterministic: q is one-hot (accept_tree_speculative is then exact)."""
+    name: str
+    initial_state: object
+    propose: Callable
+
+
+NGRAM_TREE = TreeDrafter("ngram", None, lambda state, context, new_hidden, budget: (*ngram_tree(context, budget),
+                                                                                      state))
+
+
+def top_k_tree(root, depth_logits, budget):  # (D, V) logits at depths 1..D of an argmax chain -> tokens, parents
+    """A drafter's top-k at each depth as a tree: the spine is its argmax chain, and at depth d up to BRANCH of depth
+    d's most likely tokens (the first the spine's own) are children of the spine's node at depth d - 1. Of these the
+    NODES most likely to be reached under the drafter's own distribution (softmax of its logits; a node's chance
+    is the product along the spine to its parent times its token's) are kept. A parent is at least as likely as its
+    child and comes first among equals, so what is kept is a tree."""
+    q, reach, candidates = softmax(np.asarray(depth_logits[:budget.depth], np.float64)), 1.0, []
+    for depth, row in enumerate(q, 1):
+        order = np.argsort(-row, kind="stable")[:budget.branch]
+        candidates += [(-reach * row[t], depth, rank, int(t)) for rank, t in enumerate(order)]
+        reach *= row[order[0]]
+    kept = sorted(sorted(candidates)[:budget.nodes], key=lambda c: c[1:3])     # most likely, then by depth and rank
+    tokens, parents, spine = [int(root)], [-1], {0: 0}                          # spine: depth -> its node
+    for _, depth, rank, token in kept:
+        tokens.append(token)
+        parents.append(spine[depth - 1])
+        if rank == 0:
+            spine[depth] = len(tokens) - 1
+    return tokens, parents
+
+
+def mtp_tree_drafter(params, cfg):
+    """The MTP head's top-k at each depth (top_k_tree): the head catches up on the newly verified positions and
+    chains DEPTH times on its argmax (mtp_chain), so a tree costs the head what a chain of DEPTH drafts does."""
+    initial = mtp_drafter(params, cfg).initial_state          # (checks that the checkpoint has a usable head)
+
+    def propose(draft_state, context, new_hidden, budget):
+        start = draft_state.length                            # MTP pairs exist for positions [0, start)
+        depth_logits, _, committed = mtp_chain(params, cfg, draft_state,
+                                               context[start + 1:start + 1 + len(new_hidden)], new_hidden,
+                                               max(budget.depth, 1), lambda logits: int(np.argmax(logits)))
+        return (*top_k_tree(context[-1], depth_logits, budget), committed)
+    return TreeDrafter("mtp", initial, propose)
+
+
+def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, budget,
                               rollback="replay", on_tokens=lambda new: None):
-    """Speculative decoding with a draft tree per round: propose_tree(context, budget) -> tokens, parents (root =
-    context[-1]) with one-hot q. -> the tokens and generate's stats."""
+    """Speculative decoding with a draft tree per round from a TreeDrafter (one-hot q: deterministic drafts), within
+    the budget. -> the tokens and generate's stats, with the drafted nodes and the accepted depth of every round."""
     limit, tokens, calls, start = token_limit(cfg, prompt, max_new_tokens), [], 0, time.perf_counter()
-    prefill_done = start
+    prefill_done, draft_state, drafted, accepted, draft_s = start, drafter.initial_state, [], [], 0.0
     if limit > 0:
-        logits, _, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+        logits, new_hidden, state, _ = forward(params, cfg, prompt, empty_state(cfg))
         prefill_done = time.perf_counter()
         tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
         on_tokens(tokens[-1:])
     while tokens and tokens[-1] not in cfg.eos_token_id and len(tokens) < limit:
         room = budget._replace(depth=min(budget.depth, limit - len(tokens) - 1))   # room for the target's token
-        tree, parents = propose_tree(list(prompt) + tokens, room)
-        logits, _, verified = verify_tree(params, cfg, state, tree, parents, rollback)
+        drafting = time.perf_counter()
+        tree, parents, draft_state = drafter.propose(draft_state, list(prompt) + tokens, new_hidden, room)
+        draft_s += time.perf_counter() - drafting
+        logits, hidden, verified = verify_tree(params, cfg, state, tree, parents, rollback)
         u = rng.random(len(tree)) if sampling.temperature else None
         path, token = accept_tree(tree, parents, one_hot(tree[1:], cfg.vocab_size), logits, sampling, u)
         committed = until_stop([tree[j] for j in path[1:]] + [token], cfg.eos_token_id)
-        state = commit_tree(verified, path[:len(committed)])
+        state, new_hidden = commit_tree(verified, path[:len(committed)]), hidden[path[:len(committed)]]
         tokens += committed
+        drafted.append(len(tree) - 1)
+        accepted.append(len(path) - 1)
         on_tokens(committed)
         calls += 1
     end = time.perf_counter()
-    return tokens, {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "target_calls": calls,
-                    "tokens_per_call": (len(tokens) - 1) / calls if calls else 0.0, "tree": budget._asdict(),
-                    "seconds": {"prefill": prefill_done - start, "decode": end - prefill_done, "total": end - start}}
+    return tokens, generation_stats(len(prompt), len(tokens), calls, {"prefill": prefill_done - start, "draft": draft_s,
+                                    "decode": end - prefill_done, "total": end - start}, tree=budget._asdict(),
+                                    drafter=drafter.name, drafted_nodes=drafted, accepted_depths=accepted)
 
 
 TREE_LIMITS = {"nodes": 64, "depth": 16, "branch": 8}
+TREE_DRAFTERS = {"ngram": lambda params, cfg: NGRAM_TREE, "mtp": mtp_tree_drafter}     # --draft NAME --tree
 
 
 def parse_tree_budget(text):  # "NODES[:DEPTH[:BRANCH]]" -> TreeBudget; depth defaults to nodes, branch to nodes
@@ -2041,6 +2107,76 @@ TEMPERATURE_RANGE = (1e-3, 1e3)      # besides 0 (greedy): logits / T stays fini
 MAX_DRAFT_LEN = 32                   # jax_impl compiles a round for a fixed K (unrolling the MTP chain K times)
 
 
+# A request's settings: one table, one check. Each is a flag of both command lines (--NAME, dashes for
+# underscores), a keyword of jax_impl.generate and Server.submit, and a field of the JSONL and HTTP front ends
+# (python -m jax_impl.jsonl, jax_impl.http_server); every one of them checks it with check_settings, so a new setting
+# is a row here (and the engines' use of it).
+
+class Setting(NamedTuple):
+    name: str
+    kind: type                     # int, float or str: what the flag parses and a JSON value must be
+    default: object
+    ok: Callable                   # value -> whether it is allowed
+    rule: str                      # the message's "must be ..."
+    help: str
+
+
+def flag(name):  # a setting's command-line flag
+    return "--" + name.replace("_", "-")
+
+
+REQUEST_SETTINGS = {s.name: s for s in (
+    Setting("max_new_tokens", int, 64, lambda n: n >= 0, ">= 0", "generation also stops at the context limit"),
+    Setting("temperature", float, 0.0, lambda t: t == 0 or TEMPERATURE_RANGE[0] <= t <= TEMPERATURE_RANGE[1],
+            f"0 (greedy) or in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]",
+            f"0 = greedy, else in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]"),
+    Setting("top_k", int, 0, lambda k: k >= 0, ">= 0", "0 = off"),
+    Setting("top_p", float, 1.0, lambda p: 0 < p <= 1, "in (0, 1]", "in (0, 1]; 1 = off"),
+    Setting("seed", int, 0, lambda s: SEED_RANGE[0] <= s <= SEED_RANGE[1], f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
+            f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (default 0)"),
+    Setting("draft", str, "none", lambda d: True, "a drafter", "the drafter"),  # forms: make_drafter (or an engine's)
+    Setting("draft_len", int, 4, lambda k: 0 <= k <= MAX_DRAFT_LEN, f"in [0, {MAX_DRAFT_LEN}]",
+            f"K, draft tokens per round, in [0, {MAX_DRAFT_LEN}]"),
+    Setting("rollback", str, "replay", lambda r: r in ROLLBACK_STRATEGIES, f"one of {', '.join(ROLLBACK_STRATEGIES)}",
+            "how a round rolls the state back to the accepted prefix"),
+)}
+
+JSON_KINDS = {int: "an integer", float: "a number", str: "a string"}
+
+
+def check_settings(settings, label=str, engine_drafters=None):
+    """The check of a request's settings, {name: value} (any of REQUEST_SETTINGS): a UserError "LABEL VALUE: must be
+    RULE" for the first one out of range, label(name) naming it as the caller does (flag for the command lines).
+    engine_drafters: (engine, the --draft names it runs) for an engine that runs fewer drafters than this file (whose
+    --draft forms make_drafter checks when it builds one)."""
+    for name, value in settings.items():
+        setting = REQUEST_SETTINGS[name]
+        if not setting.ok(value) or value != value:  # value != value catches nan
+            raise UserError(f"{label(name)} {value}: must be {setting.rule}")
+    if engine_drafters and settings.get("draft", "none") not in engine_drafters[1]:
+        engine, names = engine_drafters
+        raise UserError(f"{label('draft')} {settings['draft']}: {engine} runs {', '.join(names[:-1])} and {names[-1]} on "
+                        "device (skip:N, model:DIR, dflash and the self-speculative drafters are reference.py only)")
+
+
+def json_setting(name, value, label=None):
+    """A setting's value from JSON (the JSONL and HTTP front ends) -> the Python value, of the setting's kind (an int is
+    a number, a bool is not)."""
+    kind = REQUEST_SETTINGS[name].kind
+    fits = isinstance(value, str) if kind is str else (
+        not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))
+    if not fits:
+        raise UserError(f"{label or name}: expected {JSON_KINDS[kind]}, got {value!r:.60}")
+    return kind(value)
+
+
+def check_prompt_text(text, label="--prompt"):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates (JSON: as \ud800)
+        raise UserError(f"{label} is not valid UTF-8 (at character {e.start})") from None
+
+
 class Backend(NamedTuple):
     """What the command line runs on: this file (REFERENCE, below) or jax_impl (python -m jax_impl), with the same
     flags, outputs and errors."""
@@ -2054,6 +2190,7 @@ class Backend(NamedTuple):
     generate: Callable             # (params, cfg, prompt, args, on_tokens) -> tokens, stats
     summary: Callable              # (stats) -> the line printed on stderr
     main_process: Callable         # () -> whether this process prints and writes (multi-host runs have several)
+    engine_drafters: tuple = None  # (engine, --draft names) where it runs fewer than this file (check_settings)
 
 
 def parse_args(argv, backend=None):
@@ -2062,38 +2199,20 @@ def parse_args(argv, backend=None):
     ap.add_argument("--prompt", help="prompt text (needs the model's tokenizer.json)")
     ap.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the embedded model)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="generation also stops at the context limit")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help=f"0 = greedy, else in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}]")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
-    ap.add_argument("--seed", type=int, default=0, help=f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (default 0)")
+    for s in REQUEST_SETTINGS.values():
+        choices = ROLLBACK_STRATEGIES if s.name == "rollback" else None
+        ap.add_argument(flag(s.name), type=s.kind, default=s.default, choices=choices,
+                        help=backend.drafters if s.name == "draft" else s.help)
     ap.add_argument("--dump-logits", metavar="PATH.npy", help="write the prompt's logits, float32 (T, V), and exit")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    ap.add_argument("--draft", default="none", help=backend.drafters)
-    ap.add_argument("--draft-len", type=int, default=4, help=f"K, draft tokens per round, in [0, {MAX_DRAFT_LEN}]")
-    ap.add_argument("--rollback", choices=ROLLBACK_STRATEGIES, default="replay")
     ap.add_argument("--ngram-table", metavar="PATH.json", help="offline n-gram table for --draft ngram")
     backend.add_flags(ap)
     args = ap.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
-    (low_t, high_t), (low_seed, high_seed) = TEMPERATURE_RANGE, SEED_RANGE
-    checks = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
-              ("--temperature", args.temperature, args.temperature == 0 or low_t <= args.temperature <= high_t,
-               f"0 (greedy) or in [{low_t}, {high_t}]"),
-              ("--top-k", args.top_k, args.top_k >= 0, ">= 0"),
-              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-              ("--seed", args.seed, low_seed <= args.seed <= high_seed, f"in [{low_seed}, {high_seed}]"),
-              ("--draft-len", args.draft_len, 0 <= args.draft_len <= MAX_DRAFT_LEN, f"in [0, {MAX_DRAFT_LEN}]")]
-    for flag, value, ok, rule in checks:
-        if not ok or value != value:  # value != value catches nan
-            raise UserError(f"{flag} {value}: must be {rule}")
+    check_settings({name: getattr(args, name) for name in REQUEST_SETTINGS}, flag, backend.engine_drafters)
     if args.prompt is not None:
-        try:
-            args.prompt.encode("utf-8")
-        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
-            raise UserError(f"--prompt is not valid UTF-8 (at character {e.start})") from None
+        check_prompt_text(args.prompt)
     return args
 
 
@@ -2154,9 +2273,9 @@ class SpeculationStats:
     def __init__(self, prompt_tokens, draft_len, rollback):
         self.start, self.rollback_bytes = time.perf_counter(), 0
         self.seconds = dict.fromkeys(("prefill", "draft", "verify", "rollback"), 0.0)
-        self.counts = {"prompt_tokens": prompt_tokens, "target_calls": 0, "proposed": 0, "accepted": 0,
+        self.counts = {"target_calls": 0, "proposed": 0, "accepted": 0,
                        "accepted_by_position": [0] * draft_len, "proposed_by_position": [0] * draft_len}
-        self.rollback = rollback
+        self.prompt_tokens, self.draft_len, self.rollback = prompt_tokens, draft_len, rollback
 
     def timed(self, phase, fn):
         def run(*args):
@@ -2184,10 +2303,9 @@ class SpeculationStats:
             c["accepted_by_position"][i] += i < accepted
 
     def result(self, new_tokens):
-        calls = self.counts["target_calls"]
-        return {**self.counts, "rollback": self.rollback, "rollback_bytes": self.rollback_bytes,
-                "new_tokens": new_tokens, "tokens_per_call": (new_tokens - 1) / calls if calls else 0.0,
-                "seconds": {**self.seconds, "total": time.perf_counter() - self.start}}
+        return generation_stats(self.prompt_tokens, new_tokens, self.counts["target_calls"],
+                                {**self.seconds, "total": time.perf_counter() - self.start}, self.counts,
+                                self.draft_len, self.rollback, rollback_bytes=self.rollback_bytes)
 
 
 def summary(stats):
@@ -2361,12 +2479,13 @@ def reference_generate(params, cfg, prompt, args, on_tokens):
     table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
     if args.tree:
         budget = parse_tree_budget(args.tree)
-        if args.draft != "ngram" or table:
-            raise UserError("--tree drafts with the context n-gram lookup: give it with --draft ngram (no table)")
+        if args.draft not in TREE_DRAFTERS or table:
+            raise UserError("--tree drafts with the context n-gram lookup or the MTP head's top-k: give it with "
+                            "--draft ngram (no table) or --draft mtp")
         return generate_tree_speculative(params, cfg, prompt, args.max_new_tokens,
                                          Sampling(args.temperature, args.top_k, args.top_p),
-                                         np.random.default_rng(args.seed), ngram_tree, budget, args.rollback,
-                                         on_tokens)
+                                         np.random.default_rng(args.seed), TREE_DRAFTERS[args.draft](params, cfg),
+                                         budget, args.rollback, on_tokens)
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling, rng = Sampling(args.temperature, args.top_k, args.top_p), np.random.default_rng(args.seed)
     if drafter is None:
@@ -2380,8 +2499,8 @@ REFERENCE = Backend(
     f"{DRAFT_FORMS} (LAYERS: 0-based layers and ranges, e.g. 1-3,6; docs/self-speculative.md)",
     add_flags=lambda parser: parser.add_argument(
         "--tree", metavar="NODES[:DEPTH[:BRANCH]]",
-        help="verify a draft tree per round instead of a chain (with --draft ngram): at most NODES drafted nodes, "
-             "DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)"),
+        help="verify a draft tree per round instead of a chain (with --draft ngram or mtp): at most NODES drafted "
+             "nodes, DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)"),
     context=lambda args: contextlib.nullcontext(), load=lambda args: load_model(args.model),
     prompt_logits=lambda params, cfg, prompt: forward(params, cfg, prompt, empty_state(cfg))[0],
     generate=reference_generate, summary=summary, main_process=lambda: True)

@@ -453,6 +453,28 @@ def best_k(cfg, a, design, s, max_k=32):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Draft trees (docs/trees.md). Verifying a tree of N drafted nodes is one pass over N + 1 tokens, as verifying a
+# chain of K = N drafts is: the ancestor mask and the path decay move the DeltaNet chunk's and attention's FLOPs
+# around without changing their count here (the tree's triangular system is the chain's (N+1) x (N+1) one; a node
+# attends to fewer keys, which counts as the chain's upper bound), and per-position rollback keeps N + 1 states.
+# What a tree changes is the tokens a round commits for that cost, and its MTP drafting: DEPTH head steps, not N.
+
+def tree_cycle_seconds(cfg, nodes, depth, tokens_per_call, design, s):
+    """Seconds of a round that drafts `nodes` nodes at most `depth` deep and commits tokens_per_call tokens on
+    average: the draft (depth MTP steps), the verify pass over nodes + 1 tokens, and the commit of that many
+    positions (rounded; nothing when everything verified is kept)."""
+    kept = min(max(round(tokens_per_call), 1), nodes + 1)
+    return (draft_seconds(cfg, depth, s) + verify_seconds(cfg, nodes, design, s) + s.overhead.round
+            + commit_seconds(cfg, nodes, kept, design, s))
+
+
+def tree_speedup(cfg, nodes, depth, tokens_per_call, design, s):
+    """Predicted speedup over plain decoding of rounds of `nodes` drafted nodes, `depth` deep, that commit
+    tokens_per_call tokens each on average (a chain of K drafts: nodes = depth = K)."""
+    return tokens_per_call * decode_seconds(cfg, s) / tree_cycle_seconds(cfg, nodes, depth, tokens_per_call, design, s)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Serving: B sequences decoded at once (jax_impl.serving). Every pass carries B rows per token position, so the
 # weights are read once for B*T rows: tokens/s grows with B while the weight bytes dominate, and stops growing once
 # the passes turn compute-bound. Speculation multiplies the rows of a pass by K+1 for (1 - a^(K+1)) / (1 - a) tokens

@@ -66,7 +66,8 @@ def parse_args(argv):
     check.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default 64)")
     check.add_argument("--report", type=Path, metavar="PATH.json", help="write the results as JSON")
     check.add_argument("--dialect", default="jax_impl", help="the server's API: jax_impl, vllm, vllm-logprobs, "
-                       "sglang, text (server_dialects.py; default jax_impl)")
+                       "sglang, llama-server, llama-server-logprobs, mlx-lm, text (server_dialects.py; default "
+                       "jax_impl)")
     check.add_argument("--precision", default="float32", help="the server's: float32 or bfloat16 (the near-tie "
                        "margin, tolerances.json \"server\")")
     check.add_argument("--draft", help="jax_impl dialect: every request's drafter (none, ngram, mtp; default: each "
@@ -95,18 +96,18 @@ def parse_args(argv):
     return args
 
 
-def generate(args):
+def make_cases(args):  # the `generate` command: the goldens
     try:
-        from .make import generate as generator
+        from .make import build
     except ModuleNotFoundError as e:   # conformance/make/, the generator, is a tool of a clone: not in the kit
         if e.name == f"{__package__}.make":
             raise R.UserError("generate rebuilds the goldens of a clone of the repository (conformance/make/ is not "
                               "part of the installed kit): run `python -m conformance generate` in a clone") from None
         raise
     if not args.check:
-        generator.generate(args.out)
+        build.build_cases(args.out)
         return 0
-    stale = generator.check(args.out)
+    stale = build.check(args.out)
     print("\n".join(stale) if stale else f"{args.out}: fresh (regenerating changes float32 rounding only)")
     return 1 if stale else 0
 
@@ -148,7 +149,7 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         if args.command == "generate":
-            return generate(args)
+            return make_cases(args)
         if args.command == "checkpoint":
             return published.checkpoint_command(args)
         if args.command == "kernels":

@@ -54,6 +54,19 @@ def requests(engine, handles, batched_traces):
         logits, pending = engine.verify(model(r), state(r), r["tokens"], r["rollback"])
         return {"logits": logits, "pending": handles.new(pending)}
 
+    def verify_tree(r):
+        logits, pending = engine.verify_tree(model(r), state(r), r["tokens"], r["parents"], r["rollback"])
+        return {"logits": logits, "pending": handles.new(pending)}
+
+    def accept_tree(r):
+        path, token = engine.accept_tree(r["tokens"], r["parents"], r["q"], r["logits"], r["sampling"], r["uniforms"])
+        return {"path": [int(node) for node in path], "token": int(token)}
+
+    def accept_tree_draws(r):
+        ends, tokens = engine.accept_tree_draws(r["tokens"], r["parents"], r["q"], r["logits"], r["sampling"], r["n"],
+                                                r["seed"])
+        return {"ends": ends, "tokens": tokens}
+
     def sample(r):
         probabilities, tokens = engine.sample(r["logits"], r["sampling"], r["uniforms"])
         return {"probabilities": probabilities, "tokens": tokens}
@@ -104,6 +117,10 @@ def requests(engine, handles, batched_traces):
         "verify": verify,
         "commit": lambda r: {"state": handles.new(engine.commit(model(r), state(r, "pending"), r["n"]))},
         "accept": accept,
+        "verify_tree": verify_tree,
+        "commit_tree": lambda r: {"state": handles.new(engine.commit_tree(model(r), state(r, "pending"), r["path"]))},
+        "accept_tree": accept_tree,
+        "accept_tree_draws": accept_tree_draws,
         "draw": draw,
         "accept_draws": accept_draws,
         "mtp_hidden": mtp_hidden,

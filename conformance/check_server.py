@@ -25,7 +25,7 @@ import numpy as np
 
 from . import reference as R
 from .format import TOLERANCES
-from .server_dialects import CUMULATIVE_STREAMS, DIALECTS, Chunk, ServerRequest
+from .server_dialects import DIALECTS, Chunk, ServerRequest
 
 SCENARIOS = Path(__file__).with_name("server_scenarios.json")
 RULES = TOLERANCES["server"]
@@ -41,12 +41,16 @@ class ServerError(Exception):
 # ----------------------------------------------------------------------------------------------------------------
 # Scenarios: prompts from a rule any language can replay
 
-def lcg_tokens(seed, length, vocab, avoid):
+def lcg_tokens(seed, length, vocab, avoid, alphabet=None):
     """`length` ids from the 64-bit LCG x <- 6364136223846793005 x + 1442695040888963407 (mod 2^64), x0 = seed:
-    id = (x >> 33) mod vocab, an id in `avoid` (EOS and stop ids) moved up by one until it is not."""
+    id = (x >> 33) mod vocab, an id in `avoid` (EOS and stop ids) moved up by one until it is not. With an
+    `alphabet` (the ids a text-prompt dialect can send, none of them avoided): id = alphabet[(x >> 33) mod its size]."""
     x, out = seed & (2**64 - 1), []
     for _ in range(length):
         x = (6364136223846793005 * x + 1442695040888963407) & (2**64 - 1)
+        if alphabet is not None:
+            out.append(int(alphabet[(x >> 33) % len(alphabet)]))
+            continue
         t = (x >> 33) % vocab
         while t in avoid:
             t = (t + 1) % vocab
@@ -54,7 +58,7 @@ def lcg_tokens(seed, length, vocab, avoid):
     return out
 
 
-def build_prompt(parts, vocab, avoid):
+def build_prompt(parts, vocab, avoid, alphabet=None):
     """A scenario prompt: its parts concatenated. A part is {"ids": [...]}, or {"seed", "length"} (lcg_tokens),
     with "period": the first `period` of those ids repeated to `length`."""
     prompt = []
@@ -62,9 +66,34 @@ def build_prompt(parts, vocab, avoid):
         if "ids" in part:
             prompt += part["ids"]
         else:
-            block = lcg_tokens(part["seed"], part.get("period", part["length"]), vocab, avoid)
+            block = lcg_tokens(part["seed"], part.get("period", part["length"]), vocab, avoid, alphabet)
             prompt += (block * (part["length"] // len(block) + 1))[:part["length"]]
     return prompt
+
+
+class TextPrompts:
+    """Prompts for a dialect whose API takes text, not ids: drawn from an alphabet of ids that each decode to one
+    printable ASCII character encoding back to that id alone, sent as their text, and refused unless the whole text
+    encodes back to the prompt (a tokenizer that merges such characters cannot be checked this way)."""
+
+    def __init__(self, tokenizer, vocab, avoid):
+        self.tokenizer = tokenizer
+        self.alphabet = [t for t in range(vocab) if t not in avoid and self.single(t)]
+        if not self.alphabet:
+            raise R.UserError("the checkpoint's tokenizer has no id whose text is one printable character")
+
+    def single(self, t):
+        text = self.tokenizer.decode([t])
+        return len(text) == 1 and " " <= text <= "~" and self.tokenizer.encode(text, add_special_tokens=False).ids == [t]
+
+    def text(self, name, prompt):
+        text = self.tokenizer.decode(prompt)
+        if self.tokenizer.encode(text, add_special_tokens=False).ids != list(prompt):
+            raise R.UserError(f"scenario {name}: its prompt does not encode back to its ids as text")
+        return text
+
+    def stop_texts(self, stop_ids):
+        return tuple(self.tokenizer.decode([s]) for s in stop_ids if self.single(s))
 
 
 def load_scenarios(path=SCENARIOS):
@@ -74,24 +103,28 @@ def load_scenarios(path=SCENARIOS):
     return data["scenarios"]
 
 
-def expand(scenario, spec_model, context, draft):
+def expand(scenario, spec_model, context, draft, text_prompts=None):
     """A scenario's requests, each repeated `count` times (a part with "vary": its seed moved by the copy's index)
-    -> [(request dict, ServerRequest)]."""
+    -> [(request dict, ServerRequest)]. With `text_prompts` (TextPrompts) the prompts are drawn from its alphabet and
+    carry their text and the stop ids' texts."""
     cfg, out = spec_model.cfg, []
+    alphabet = text_prompts.alphabet if text_prompts else None
     for spec in scenario["requests"]:
         for copy in range(spec.get("count", 1)):
             parts = [dict(p, seed=p["seed"] + copy) if p.get("vary") else p for p in spec["prompt"]]
-            prompt = build_prompt(parts, cfg.vocab_size, set(cfg.eos_token_id))
+            prompt = build_prompt(parts, cfg.vocab_size, set(cfg.eos_token_id), alphabet)
             stop = tuple(dict.fromkeys([*spec.get("stop_token_ids", ()),
                                         *(prompt[i] for i in spec.get("stop_prompt_positions", ())),
                                         *spec_model.greedy_tokens(prompt, spec.get("stop_at_spec_tokens", ()))]))
             room = min(context, cfg.max_position_embeddings) - len(prompt)
             max_tokens = room if spec["max_tokens"] == "context" else min(spec["max_tokens"], room)
             drafter = spec.get("draft") if draft in (None, "as-scenario") else draft
+            text = {} if text_prompts is None else {"prompt_text": text_prompts.text(scenario["name"], prompt),
+                                                    "stop_texts": text_prompts.stop_texts(stop)}
             out.append((spec, ServerRequest(prompt, max_tokens, spec.get("temperature", 0.0), spec.get("top_k", 0),
                                             spec.get("top_p", 1.0), spec.get("seed", 0) + copy, stop,
                                             spec.get("ignore_eos", False), spec.get("stream", False), drafter,
-                                            spec.get("draft_len"))))
+                                            spec.get("draft_len"), **text)))
     return out
 
 
@@ -109,7 +142,7 @@ class Answer:
 def post(url, dialect, r, model, cancel_after, timeout, answer, tokenizer):
     """Send one request; fill `answer` (ids, finish, error) as the response comes."""
     parts = urllib.parse.urlsplit(url)
-    stream = r.stream and dialect.name not in CUMULATIVE_STREAMS
+    stream = r.stream and dialect.streams_ids
     body = json.dumps(dialect.body(r._replace(stream=stream), model)).encode()
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
     try:
@@ -284,7 +317,10 @@ def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=No
         raise R.UserError(f"--concurrency {concurrency}: must be in [1, 1024]")
     d = DIALECTS[dialect]
     spec = Spec(model_dir)
-    tokenizer = R.load_tokenizer(model_dir) if not d.ids else None
+    tokenizer = R.load_tokenizer(model_dir) if not (d.ids and d.prompt_ids) else None
+    if tokenizer is None and not d.prompt_ids:
+        raise R.UserError(f"--dialect {dialect} takes text prompts: {model_dir} has no tokenizer.json")
+    text_prompts = None if d.prompt_ids else TextPrompts(tokenizer, spec.cfg.vocab_size, set(spec.cfg.eos_token_id))
     margin, logprob_atol = RULES["greedy_margin"][precision], RULES["logprob_atol"][precision]
     chosen = [s for s in load_scenarios(scenarios_path) if not scenarios_regex or re.search(scenarios_regex, s["name"])]
     if not chosen:
@@ -294,7 +330,7 @@ def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=No
     results = []
     with ThreadPoolExecutor(max_workers=workers) as checkers:
         for scenario in chosen:
-            requests = expand(scenario, spec, context, draft)
+            requests = expand(scenario, spec, context, draft, text_prompts)
             start = time.monotonic()
             answers = send_scenario(url, d, model_name, requests, concurrency, timeout, tokenizer)
             if all(a.error and a.error.startswith(("ConnectionRefusedError", "TimeoutError")) for a in answers):

@@ -19,9 +19,12 @@ from . import rules
 # Spec functions the wrong versions below are built on: captured before any patch, so that a wrong version calling
 # "the spec's" never calls itself.
 SPEC = {name: getattr(R, name) for name in ("rms_norm", "rms_norm_gated", "rope", "causal_conv1d", "gated_attention",
-                                            "probabilities", "commit_per_position", "replay", "dflash_taps")}
+                                            "probabilities", "commit_per_position", "replay",
+                                            "gated_delta_tree_chunked", "tree_delta_states", "tree_conv_windows",
+                                            "commit_tree", "dflash_taps")}
 
-WHOLE_MODEL = frozenset({"forward", "greedy", "speculative", "trace", "mtp", "dflash"})
+WHOLE_MODEL = frozenset({"forward", "greedy", "speculative", "tree", "trace", "mtp", "dflash"})
+TREE = frozenset({"tree"})
 DELTANET = frozenset({"deltanet_layer"}) | WHOLE_MODEL
 ATTENTION = frozenset({"attention_layer"}) | WHOLE_MODEL
 DECISIONS = frozenset({"speculative", "trace"})
@@ -128,20 +131,21 @@ def gated_norm_gate_first(x, z, weight, eps):
     return SPEC["rms_norm"](x * R.silu(z), weight - 1, eps)
 
 
-def attention_gqa_modulo(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):
+def attention_gqa_modulo(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, parents=None):
     """Query head h reads KV head h % Hkv instead of h // (Hq / Hkv): the spec's grouping given the heads reordered."""
     Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     order = [h for kv in range(Hkv) for h in range(Hq) if h % Hkv == kv]
     q_rows = q_proj.reshape(Hq, 2 * Dh, -1)[order].reshape(q_proj.shape)
     o_cols = o_proj.reshape(len(o_proj), Hq, Dh)[:, order].reshape(o_proj.shape)
-    return SPEC["gated_attention"](x, state, positions, cfg, q_rows, k_proj, v_proj, o_cols, q_norm, k_norm)
+    return SPEC["gated_attention"](x, state, positions, cfg, q_rows, k_proj, v_proj, o_cols, q_norm, k_norm, parents)
 
 
-def attention_gate_halves(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):
+def attention_gate_halves(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, parents=None):
     """q_proj's output split in two halves (all queries, then all gates) instead of [query | gate] per head."""
     Hq, Dh = cfg.num_attention_heads, cfg.head_dim
     per_head = q_proj.reshape(2, Hq, Dh, -1).swapaxes(0, 1).reshape(q_proj.shape)
-    return SPEC["gated_attention"](x, state, positions, cfg, per_head, k_proj, v_proj, o_proj, q_norm, k_norm)
+    return SPEC["gated_attention"](x, state, positions, cfg, per_head, k_proj, v_proj, o_proj, q_norm, k_norm,
+                                   parents)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -221,6 +225,75 @@ def replay_steps(offset):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Draft trees: the verify pass treating the packed nodes as a sequence somewhere, the commit indexed by the path's
+# length, the chain rule on siblings
+
+def packed_as_chain(parents):
+    """The parents an engine that treats the packed tree rows as a sequence uses: each node's the row before it."""
+    return [-1] + list(range(len(parents) - 1))
+
+
+def tree_rule_from_previous_row(q, k, v, g, beta, initial_state, parents):
+    return SPEC["gated_delta_tree_chunked"](q, k, v, g, beta, initial_state, packed_as_chain(parents))
+
+
+def tree_states_from_previous_row(S0, tape, parents):
+    return SPEC["tree_delta_states"](S0, tape, packed_as_chain(parents))
+
+
+def tree_conv_along_rows(window, x, parents, width):
+    return SPEC["tree_conv_windows"](window, x, packed_as_chain(parents), width)
+
+
+def positions_by_row(parents):
+    """Every node's depth taken as its row index (position = prefix length + row instead of + depth)."""
+    return np.arange(len(parents))
+
+
+def attention_causal_over_rows(x, state, positions, cfg, *weights, parents=None, **named):
+    """The tree rows attend causally (every earlier row visible) instead of through the ancestor mask."""
+    return SPEC["gated_attention"](x, state, positions, cfg, *weights, **named,
+                                   parents=None if parents is None else packed_as_chain(parents))
+
+
+def commit_tree_by_accept_length(verified, path):
+    """The DeltaNet layers committed as if the accepted nodes were the first len(path) rows (per-position: node
+    len(path) - 1's state, `accept_lens - 1`; replay: the tape's first rows); the attention KV along the path."""
+    right, wrong = SPEC["commit_tree"](verified, path), SPEC["commit_tree"](verified, list(range(len(path))))
+    return right._replace(layers=tuple(w if isinstance(w, R.DeltaState) else r
+                                       for r, w in zip(right.layers, wrong.layers)))
+
+
+def tree_chain_rule_on_siblings(tokens, parents, q, p, u):
+    """The chain rule on every edge: child c kept with chance min(1, p(x_c) / q_c(x_c)) with its parent's own p (no
+    residual between siblings), the next token drawn from the residual of the first child only."""
+    path = [0]
+    while True:
+        children = R.tree_children(parents, path[-1])
+        child = next((c for c in children if u[c - 1] < R.acceptance(p[path[-1], tokens[c]], q[c - 1, tokens[c]])),
+                     None)
+        if child is None:
+            leftover = p[path[-1]] if not children else R.residual(p[path[-1]], q[children[0] - 1])
+            return path, R.sample(leftover, u[len(tokens) - 1])
+        path.append(child)
+
+
+def tree_chain_rule_outcomes(tokens, parents, q, p):  # (N,), (N,), (N-1, V), (N, V) -> (N, V)
+    """tree_chain_rule_on_siblings's outcome distribution in closed form (reference.tree_outcomes' counterpart):
+    entry [L, t] is the chance that the walk ends at node L and draws t."""
+    reach, rows = np.zeros(len(tokens)), np.zeros(p.shape)
+    reach[0] = 1.0
+    for node in range(len(tokens)):
+        children, stay = R.tree_children(parents, node), reach[node]
+        for c in children:
+            kept = R.acceptance(p[node, tokens[c]], q[c - 1, tokens[c]])
+            reach[c], stay = stay * kept, stay * (1 - kept)
+        leftover = p[node] if not children else R.residual(p[node], q[children[0] - 1])
+        rows[node] = stay * leftover / leftover.sum()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # A DFlash drafter (none of these changes a token under exact verification: they lose acceptance only)
 
 def dflash_mask_in_first_slot(context, k, mask_token_id):
@@ -296,6 +369,23 @@ CATALOGUE = (
             DECISIONS, {"replay": replay_steps(-1)}),
     Mistake("replay-one-step-long", "replay: n + 1 steps of S replayed (the conv window and the KV right)",
             DECISIONS, {"replay": replay_steps(+1)}),
+    Mistake("tree-state-from-previous-row", "a tree node's DeltaNet recurrence starts from the previous packed row's "
+            "state instead of its parent's (the tree verified as a chain: sglang's lightning-attention path)", TREE,
+            {"gated_delta_tree_chunked": tree_rule_from_previous_row,
+             "tree_delta_states": tree_states_from_previous_row}),
+    Mistake("tree-conv-along-rows", "a tree node's conv window holds the previous packed rows' inputs instead of its "
+            "ancestors'", TREE, {"tree_conv_windows": tree_conv_along_rows}),
+    Mistake("tree-position-by-row", "a tree node's RoPE position is prefix length + its row instead of + its depth",
+            TREE, {"tree_depths": positions_by_row}),
+    Mistake("tree-attention-causal", "the tree's rows attend causally to every earlier row instead of to their "
+            "ancestors only", TREE, {"gated_attention": attention_causal_over_rows}),
+    Mistake("tree-commit-by-accept-length", "the DeltaNet state committed from the first rows of the tree as if "
+            "they were the accepted path (per-position: node `accept_lens - 1`'s state instead of the last accepted "
+            "node's, sglang#27463; replay: the tape's first rows); the KV right", TREE,
+            {"commit_tree": commit_tree_by_accept_length}),
+    Mistake("tree-chain-rule-on-siblings", "tree acceptance by the chain rule min(1, p/q) on each edge with the "
+            "parent's own p (no residual between siblings): biased for a drafter's top-k (warpfront/hipfire#483)",
+            TREE, {"accept_tree_speculative": tree_chain_rule_on_siblings}),
     Mistake("dflash-mask-in-first-slot", "DFlash: the block's first slot holds a mask token instead of the last "
             "committed token", DFLASH, {"dflash_block_tokens": dflash_mask_in_first_slot}),
     Mistake("dflash-not-cropped", "DFlash: the block's keys and values stay in the drafter's cache after the round "

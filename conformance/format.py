@@ -69,6 +69,14 @@ FEATURES = {
     # the statistical pack: draws with the engine's own random numbers (Engine.draw, accept_draws; `sample` mode)
     "draws": "draw tokens from given logits many times with the engine's own random numbers",
     "accept:draws": "speculative sampling of given drafts many times with the engine's own random numbers",
+    # draft trees (Engine.verify_tree / commit_tree / accept_tree; INTERPRETING.md section 4, "Draft trees")
+    "tree": "verify a draft tree (tokens + parent indices) in one pass: DeltaNet from each node's parent state, conv "
+            "windows along ancestor paths, attention over the prefix and ancestors at position prefix + depth; commit "
+            "an accepted root-to-node path (both rollback strategies); greedy tree acceptance",
+    "accept:tree-sampling": "multi-draft speculative sampling over a tree's siblings (recursive rejection) with given "
+                            "uniforms",
+    "accept:tree-draws": "multi-draft speculative sampling of a given tree many times with the engine's own random "
+                         "numbers (the statistical pack)",
     # serving traces (Engine.run_trace: batches of steps on named requests; INTERPRETING.md section 4)
     "trace": "run a serving trace: prefill and verify rows of several requests per batch, releases",
     "snapshot": "copy a request's committed state as a prefix-cache entry and start new requests from it",
@@ -94,6 +102,7 @@ FEATURE_GROUPS = {
     "speculative_decoding": ("speculative", "rollback:per-position", "rollback:replay", "accept:greedy",
                              "accept:sampling"),
     "serving": ("trace", "snapshot"),
+    "trees": ("tree", "accept:tree-sampling", "accept:tree-draws"),
     "statistical_pack": ("draws", "accept:draws"),
     "checkpoint_layouts": ("moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims", "conv_kernel_3",
                            "partial_rotary_0.5", "multimodal_layout", "per_expert_weights", "mtp_weights"),

@@ -91,6 +91,27 @@ def drive_speculative(engine, meta, inputs, expected, model):
     return actual
 
 
+def drive_tree(engine, meta, inputs, expected, model):
+    """Prefill, verify the draft tree in one pass, accept (greedy, or multi-draft sampling with the given q and
+    uniforms), commit the accepted path, then decode the new token (INTERPRETING.md section 4, "Draft trees")."""
+    attrs, tokens, parents = meta["attrs"], inputs["tree_tokens"], inputs["tree_parents"]
+    _, state = engine.prefill(model, inputs["prompt"])
+    logits, pending = engine.verify_tree(model, state, tokens, parents, attrs["rollback"])
+    actual = {"tree_logits": logits}
+    if decisions_compared(meta, engine):
+        path, token = engine.accept_tree(tokens, parents, inputs.get("q"), logits, sampling_settings(attrs),
+                                         inputs.get("uniforms"))
+        path, token = [int(node) for node in path], int(token)
+        actual.update(path=np.array(path), committed=np.array([int(tokens[node]) for node in path[1:]] + [token]))
+    else:                       # the golden's decision, so that the commit and what follows stay comparable
+        path, token = [int(node) for node in expected["path"]], int(expected["committed"][-1])
+    state = engine.commit_tree(model, pending, path)
+    if "state_export" in engine.features:
+        actual.update(engine.export_state(model, state))
+    actual["next_logits"] = engine.decode(model, state, np.array([token], dtype=np.int64))[0]
+    return actual
+
+
 def drive_trace(engine, meta, inputs, expected, model):
     """The trace's batches through engine.run_trace; outputs named b<batch>.s<step>.<output>."""
     batches = trace_batches(meta["attrs"], inputs)
@@ -168,10 +189,26 @@ def drive_speculative_draws(engine, meta, inputs, expected, model):
     return {"outcomes": counts}
 
 
+def drive_tree_draws(engine, meta, inputs, expected, model):
+    """The statistical pack: n rounds of the engine's acceptance of the same tree with its own random numbers ->
+    counts of (the last accepted node, next token)."""
+    logits, tokens, n = inputs["tree_logits"], inputs["tree_tokens"], meta["attrs"]["draws"]
+    ends, drawn = (np.asarray(a) for a in engine.accept_tree_draws(tokens, inputs["tree_parents"], inputs["q"], logits,
+                                                                   sampling_settings(meta["attrs"]), n, meta["seed"]))
+    if ends.shape != (n,) or drawn.shape != (n,) or not ((0 <= ends) & (ends < len(tokens))).all() or not (
+            (0 <= drawn) & (drawn < logits.shape[-1])).all():
+        raise ValueError(f"accept_tree_draws returned ends {list(ends.shape)}, tokens {list(drawn.shape)} outside "
+                         f"[0, {len(tokens)}) x [0, {logits.shape[-1]}), or not {n} of each")
+    counts = np.zeros(logits.shape, np.int64)
+    np.add.at(counts, (ends.astype(np.int64), drawn.astype(np.int64)), 1)
+    return {"outcomes": counts}
+
+
 DRIVERS = {"forward": drive_forward, "greedy": drive_greedy, "sampling": drive_sampling,
-           "speculative": drive_speculative, "trace": drive_trace, "mtp": drive_mtp, "dflash": drive_dflash,
-           "sampling_draws": drive_sampling_draws, "speculative_draws": drive_speculative_draws}
-STATISTICAL = ("sampling_draws", "speculative_draws")      # the cases of `sample` mode, which `run` leaves out
+           "speculative": drive_speculative, "tree": drive_tree, "trace": drive_trace, "mtp": drive_mtp,
+           "dflash": drive_dflash, "sampling_draws": drive_sampling_draws, "speculative_draws": drive_speculative_draws,
+           "tree_draws": drive_tree_draws}
+STATISTICAL = ("sampling_draws", "speculative_draws", "tree_draws")      # the cases of `sample` mode, which `run` leaves out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -434,9 +471,9 @@ def print_table(results, out):
 
 
 def runs_of(meta):
-    """A trace with drafts runs once per rollback strategy (its goldens hold for both), named <case>@<strategy>;
-    every other case runs once."""
-    if meta["kind"] != "trace" or "speculative" not in meta["features"]:
+    """A trace with drafts and a tree case run once per rollback strategy (their goldens hold for both), named
+    <case>@<strategy>; every other case runs once."""
+    if not (meta["kind"] == "trace" and "speculative" in meta["features"] or meta["kind"] == "tree"):
         return [meta]
     return [{**meta, "name": f"{meta['name']}@{strategy}", "features": [*meta["features"], f"rollback:{strategy}"],
              "attrs": {**meta["attrs"], "rollback": strategy}} for strategy in R.ROLLBACK_STRATEGIES]
@@ -451,14 +488,19 @@ def select_cases(cases_dir, pattern, statistical=False):
 
 def counted(runs):
     """What a selection of runs (select_cases) covers: "121 cases (149 runs: 28 traces run once per rollback strategy,
-    per-position and replay)", or "7 cases" where every case runs once."""
+    per-position and replay)" (traces and tree cases run twice), or "7 cases" where every case runs once."""
     cases = len({folder for folder, _ in runs})
     text = f"{cases} case{'s' * (cases != 1)}"
     if len(runs) == cases:
         return text
     folders = [folder for folder, _ in runs]
-    twice = len({folder for folder in folders if folders.count(folder) > 1})
-    return (f"{text} ({len(runs)} runs: {twice} trace{'s' * (twice != 1)} run once per rollback strategy, "
+    twice = {}                        # kind -> the folders run more than once
+    for folder, meta in runs:
+        if folders.count(folder) > 1:
+            twice.setdefault(meta["kind"], set()).add(folder)
+    named = {"trace": ("trace", "traces"), "tree": ("tree case", "tree cases")}
+    kinds = [f"{len(group)} {named[kind][len(group) != 1]}" for kind, group in twice.items()]
+    return (f"{text} ({len(runs)} runs: {' and '.join(kinds)} run once per rollback strategy, "
             f"{' and '.join(R.ROLLBACK_STRATEGIES)})")
 
 

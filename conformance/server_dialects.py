@@ -24,6 +24,8 @@ class ServerRequest(NamedTuple):
     stream: bool = False
     draft: str = None             # jax_impl's per-request drafter (none, ngram, mtp); others set it server-side
     draft_len: int = None
+    prompt_text: str = None       # the prompt as text, for a dialect whose API takes no ids (prompt_ids False)
+    stop_texts: tuple = ()        # the stop ids a text-only API can take: each id's text, which encodes to it alone
 
 
 class Chunk(NamedTuple):
@@ -51,6 +53,8 @@ class Dialect:
     name = "?"
     path = "/v1/completions"
     ids = True                    # the API returns token ids
+    prompt_ids = True             # the API takes the prompt as token ids (else as text: ServerRequest.prompt_text)
+    streams_ids = True            # its streamed events carry what chunk() reads (else streams are read as whole answers)
     includes_stop = True          # a stop id that ends a completion is among the returned ids (else left out)
 
     def body(self, r, model):
@@ -111,6 +115,7 @@ class SGLang(Dialect):
     per token, with return_logprob); drafting is the server's --speculative-algorithm."""
     name = "sglang"
     path = "/generate"
+    streams_ids = False           # its streamed meta_info is cumulative
 
     def body(self, r, model):
         sampling = {"max_new_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p,
@@ -164,6 +169,30 @@ class LlamaServer(Dialect):
                      [float(p["logprob"]) for p in probabilities] or None)
 
 
+class MlxLm(Dialect):
+    """mlx-lm's mlx_lm.server: OpenAI /v1/completions, the prompt as text (its API tokenises a string and takes no
+    ids), the generated ids and their log-probabilities from logprobs: true (choices[].logprobs.content[].id,
+    .logprob, the stop id included). Its streamed events carry text only, so streams are read as whole answers. Stop
+    ids go as stop strings where an id's text encodes to that id alone (mlx-lm matches a stop string's tokens); it
+    has no ignore_eos. A seed is sent with sampled requests only: a seeded request is served alone, outside the
+    batch. No drafting unless the server was started with --draft-model."""
+    name = "mlx-lm"
+    prompt_ids = False
+    streams_ids = False
+
+    def body(self, r, model):
+        # no "model": mlx-lm would load a model of that name; its default is the one it was started with
+        return {"prompt": r.prompt_text, "max_tokens": r.max_tokens, "stream": r.stream, "logprobs": True, "stop": list(r.stop_texts), "temperature": r.temperature, "top_p": r.top_p,
+                "top_k": r.top_k, "min_p": 0.0, **({"seed": r.seed} if r.temperature else {})}
+
+    def chunk(self, payload):
+        choice = (payload.get("choices") or [{}])[0]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        finish = choice.get("finish_reason")
+        return Chunk([int(c["id"]) for c in content], choice.get("text"),
+                     finish if finish in ("stop", "length") else None, [float(c["logprob"]) for c in content] or None)
+
+
 class LlamaServerLogprobs(LlamaServer):
     """llama-server with each generated id's log-probability too (n_probs 1: completion_probabilities[].logprob, the
     softmax of the raw logits), held to the spec's."""
@@ -171,6 +200,5 @@ class LlamaServerLogprobs(LlamaServer):
     n_probs = 1
 
 
-# Streaming SGLang sends cumulative meta_info: SGLang streams are read as whole answers (stream forced off).
-DIALECTS = {d.name: d for d in (JaxImpl(), VLLM(), VLLMLogprobs(), SGLang(), LlamaServer(), LlamaServerLogprobs(), Text())}
-CUMULATIVE_STREAMS = {"sglang"}
+DIALECTS = {d.name: d for d in (JaxImpl(), VLLM(), VLLMLogprobs(), SGLang(), LlamaServer(), LlamaServerLogprobs(),
+                                MlxLm(), Text())}

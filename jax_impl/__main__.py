@@ -22,7 +22,7 @@ try:                # JAX is the `jax` extra: without it main() says so in one l
     from . import matvec
     from .model import empty_state, prefill
     from .sharding import initialize_distributed, make_mesh
-    from .spec_decode import generate
+    from .spec_decode import ENGINE_DRAFTERS, generate
     from .weights import DTYPES, load
 except ModuleNotFoundError as e:
     missing_jax = reference.missing_extra(e, "jax", "python -m jax_impl")
@@ -100,7 +100,7 @@ JAX = reference.Backend(
     "python -m jax_impl", "The Qwen3.5 hybrid model and exact speculative decoding on JAX, on device.",
     "none, ngram or mtp (skip:N, model:DIR and the self-speculative drafters are reference.py's only)", add_flags,
     native_stdout_to_stderr, load_on_devices, prompt_logits, generate_on_device, summary,
-    main_process=lambda: jax.process_index() == 0)
+    main_process=lambda: jax.process_index() == 0, engine_drafters=None if missing_jax else ENGINE_DRAFTERS)
 
 
 def main(argv=None):

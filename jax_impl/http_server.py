@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from . import matvec, reference
+from .spec_decode import ENGINE_DRAFTERS
 from .weights import DTYPES, load
 
 UserError = reference.UserError
@@ -43,9 +44,15 @@ MAX_BODY_BYTES = 2**24          # a request body; a prompt of ids at ~8 bytes ea
 REFUSED = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1), "echo": bool,
            "logprobs": lambda v: v is not None, "stop": lambda v: v not in (None, [], ""),
            "suffix": lambda v: v not in (None, "")}
-KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop_token_ids",
-         "ignore_eos", "draft", "draft_len", "cache_prompt", "user", "return_token_ids", "stream_options",
-         "presence_penalty", "frequency_penalty", *REFUSED}
+FIELD_OF = {"max_new_tokens": "max_tokens", "stop": "stop_token_ids"}   # a setting -> its OpenAI field, where named apart
+SETTINGS = {FIELD_OF.get(name, name): name for name in reference.REQUEST_SETTINGS if name != "rollback"}  # the server's
+DEFAULTS = {"max_new_tokens": 16, "temperature": 1.0}                    # OpenAI's, where they differ from ours
+KNOWN = {"model", "prompt", *SETTINGS, "stream", "stop_token_ids", "ignore_eos", "cache_prompt", "user",
+         "return_token_ids", "stream_options", "presence_penalty", "frequency_penalty", *REFUSED}
+
+
+def field_of(name):
+    return FIELD_OF.get(name, name)
 
 
 def parse_args(argv):
@@ -80,24 +87,6 @@ def parse_args(argv):
 
 class BadRequest(Exception):
     """A request the server refuses: HTTP 400 with this message."""
-
-
-def integer(body, name, default, low, high):
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRequest(f"{name}: expected an integer in [{low}, {high}], got {value!r:.60}")
-    return value
-
-
-def number(body, name, default):
-    value = body.get(name, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{name}: expected a number, got {value!r:.60}")
-    return float(value)
 
 
 def token_ids(value, name, vocab):
@@ -139,15 +128,15 @@ def completion_request(body, cfg, tokenizer, context):
     for name in ("stream", "cache_prompt"):
         if not isinstance(body.get(name, False), bool):
             raise BadRequest(f"{name}: expected true or false")
-    draft = body.get("draft", "none")
-    if not isinstance(draft, str):
-        raise BadRequest("draft: expected a string")
-    sampling = reference.Sampling(number(body, "temperature", 1.0), integer(body, "top_k", 0, 0, 2**31 - 1),
-                                  number(body, "top_p", 1.0))
-    kwargs = dict(prompt=prompt, max_new_tokens=integer(body, "max_tokens", 16, 0, 2**31 - 1), sampling=sampling,
-                  seed=integer(body, "seed", 0, *reference.SEED_RANGE), draft=draft,
-                  draft_len=integer(body, "draft_len", 4, 0, reference.MAX_DRAFT_LEN),
-                  stop=tuple(dict.fromkeys(eos + stop)), cache_prompt=body.get("cache_prompt", True))
+    try:
+        settings = {name: DEFAULTS.get(name, reference.REQUEST_SETTINGS[name].default) if body.get(field) is None
+                    else reference.json_setting(name, body[field], field) for field, name in SETTINGS.items()}
+        reference.check_settings(settings, field_of, ENGINE_DRAFTERS)
+    except UserError as e:
+        raise BadRequest(str(e)) from None
+    sampling = reference.Sampling(*(settings.pop(name) for name in reference.Sampling._fields))
+    kwargs = dict(prompt=prompt, **settings, sampling=sampling, stop=tuple(dict.fromkeys(eos + stop)),
+                  cache_prompt=body.get("cache_prompt", True))
     if len(prompt) + kwargs["max_new_tokens"] > context:
         raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens {kwargs['max_new_tokens']} exceed the "
                          f"server's context of {context} tokens")

@@ -154,11 +154,14 @@ def server_class(name):
 
 
 def check_catalogue(model, flags):
-    """Serve with each bug in turn and run check-server on the scenario that should catch it -> lines to print."""
+    """Serve with each bug in turn and run check-server (the kit's command line: jax_impl imports nothing of the kit,
+    which sits above it) on the scenario that should catch it -> lines to print."""
+    import json
     import os
     import subprocess
     import tempfile
-    from conformance import check_server as cs
+    kit = __package__.rpartition(".")[0]        # "" in a clone, "qwen35" installed
+    conformance = f"{kit}.conformance" if kit else "conformance"
     cache = tempfile.mkdtemp(prefix="jax-cache-")  # the bugs outside the step program share its compilation
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -167,8 +170,13 @@ def check_catalogue(model, flags):
                                     "0", "--inject-bug", bug.name, *flags], stdout=subprocess.PIPE, text=True, env=env)
         try:
             url = process.stdout.readline().split()[-1]
-            summary, code = cs.check_server(url, model, f"^{bug.caught_by}$", log=lambda line: None, timeout=300)
-            failures = summary["scenarios"][0]["failures"]
+            report = Path(cache) / f"{bug.name}.json"
+            check = subprocess.run([sys.executable, "-m", conformance, "check-server", "--url", url, "--model", model,
+                                    "--scenarios", f"^{bug.caught_by}$", "--timeout", "300", "--report", str(report)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if check.returncode not in (0, 1):
+                raise AssertionError(f"check-server failed to run: {check.stderr.strip()}")
+            code, failures = check.returncode, json.loads(report.read_text())["scenarios"][0]["failures"]
             first = failures[0] if failures else {}
             yield (f"{bug.name:<36} {'CAUGHT' if code else 'MISSED'} by {bug.caught_by}: {len(failures)} failing "
                    f"requests, first {first.get('rule')} at position {first.get('position')}")

@@ -34,7 +34,7 @@ MODES = ("auto", "xla")
 mode = os.environ.get("JAX_IMPL_MATVEC", "auto")  # read when a function is traced
 
 
-def checked(value):
+def checked_mode(value):  # -> value, one of MODES
     if value not in MODES:
         raise reference.UserError(f"--matvec / JAX_IMPL_MATVEC {value}: expected one of {', '.join(MODES)}")
     return value
@@ -43,7 +43,7 @@ def checked(value):
 def set_mode(value):
     """"auto" (the kernel where it applies) or "xla". Compiled programs are dropped, so every later call follows."""
     global mode
-    if checked(value) != mode:
+    if checked_mode(value) != mode:
         mode = value
         jax.clear_caches()
 
@@ -85,7 +85,7 @@ def kernel_registered():
 
 
 def uses_kernel(x, w):
-    return (checked(mode) == "auto" and x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and x.size > 0
+    return (checked_mode(mode) == "auto" and x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and x.size > 0
             and math.prod(x.shape[:-1]) <= MAX_ROWS and jax.default_backend() == "cpu" and jax.device_count() == 1
             and kernel_registered())
 

@@ -34,7 +34,7 @@ import numpy as np
 from . import batch, reference
 from .batch import DECODE, DONE, DRAFTERS, MAX_STOP_IDS, PAUSED, PREFILL
 from .sharding import fetch
-from .spec_decode import compiled, round_draft_len, round_up
+from .spec_decode import check_settings, compiled, round_draft_len, round_up
 
 MAX_DRAFT_LEN, Sampling, UserError = reference.MAX_DRAFT_LEN, reference.Sampling, reference.UserError
 
@@ -82,25 +82,21 @@ class Live(NamedTuple):
     admitted: float               # time.perf_counter() at admission
 
 
-def check_request(cfg, params, r):
-    """The flag ranges of the command lines (reference.parse_args), the prompt, the drafter, the stop ids."""
-    (low_t, high_t), (low_seed, high_seed) = reference.TEMPERATURE_RANGE, reference.SEED_RANGE
-    s = r.sampling
-    checks = [("max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 0, ">= 0"),
-              ("temperature", s.temperature, s.temperature == 0 or low_t <= s.temperature <= high_t,
-               f"0 (greedy) or in [{low_t}, {high_t}]"),
-              ("top_k", s.top_k, s.top_k >= 0, ">= 0"), ("top_p", s.top_p, 0 < s.top_p <= 1, "in (0, 1]"),
-              ("seed", r.seed, low_seed <= r.seed <= high_seed, f"in [{low_seed}, {high_seed}]"),
-              ("draft_len", r.draft_len, 0 <= r.draft_len <= MAX_DRAFT_LEN, f"in [0, {MAX_DRAFT_LEN}]"),
-              ("draft", r.draft, r.draft in DRAFTERS, f"one of {', '.join(DRAFTERS)}")]
-    for name, value, ok, rule in checks:
-        if not ok or value != value:
-            raise UserError(f"{name} {value}: must be {rule}")
-    if r.draft == "mtp":
-        reference.mtp_drafter(params, cfg)  # MTP weights present, one MTP layer
+def request_settings(r):
+    """A Request's settings (its fields named in reference.REQUEST_SETTINGS, and its sampling's) as
+    reference.check_settings takes them."""
+    return {**{name: getattr(r, name) for name in reference.REQUEST_SETTINGS if name in Request._fields},
+            **r.sampling._asdict()}
+
+
+def check_request(cfg, params, r, label=str):
+    """The settings (spec_decode.check_settings: the command lines' check), the stop ids, the prompt -> its token
+    limit. label(name): how the caller names a setting (the HTTP front end's max_tokens)."""
+    check_settings(params, cfg, request_settings(r), label)
     stop = cfg.eos_token_id if r.stop is None else r.stop
     if len(stop) > MAX_STOP_IDS or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in stop):
-        raise UserError(f"stop {list(stop)!r:.100}: at most {MAX_STOP_IDS} token ids in [0, {cfg.vocab_size})")
+        raise UserError(f"{label('stop')} {list(stop)!r:.100}: at most {MAX_STOP_IDS} token ids in "
+                        f"[0, {cfg.vocab_size})")
     return reference.token_limit(cfg, list(r.prompt), r.max_new_tokens)
 
 
@@ -116,8 +112,7 @@ class Server:
 
     def __init__(self, params, cfg, slots=16, context=None, rollback="replay", steps_per_sync=16,
                  cache_bytes=2**30, mesh=None, max_draft_len=None, features=None, step_width=None):
-        if rollback not in reference.ROLLBACK_STRATEGIES:
-            raise UserError(f"rollback {rollback}: expected one of {', '.join(reference.ROLLBACK_STRATEGIES)}")
+        reference.check_settings({"rollback": rollback})
         context = min(cfg.max_position_embeddings, 4096) if context is None else context
         if not 1 <= context <= cfg.max_position_embeddings:
             raise UserError(f"context {context}: must be in [1, {cfg.max_position_embeddings}] (the checkpoint's "
@@ -161,7 +156,7 @@ class Server:
         self.check_pinned(r, limit)
         request_id, self.next_id = self.next_id, self.next_id + 1
         if limit == 0:
-            self.results[request_id] = ([], stats_of(r, 0, [], None, 0.0))
+            self.results[request_id] = ([], stats_of(r, [], None, 0.0, self.rollback))
             self.finished.append(Event(request_id, [], True))
         else:
             self.waiting.append((request_id, r, limit))
@@ -246,7 +241,8 @@ class Server:
             stop = self.cfg.eos_token_id if r.stop is None else r.stop
             K = round_draft_len(r.draft, r.draft_len, limit)
             settings = batch.Settings(
-                np.float32(r.sampling.temperature), np.int32(r.sampling.top_k), np.float32(r.sampling.top_p),
+                np.float32(r.sampling.temperature), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),
+                np.float32(r.sampling.top_p),
                 np.int32(DRAFTERS.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),
                 np.array(list(stop) + [-1] * (MAX_STOP_IDS - len(stop)), np.int32))
             prompt = np.zeros(self.capacity, np.int32)
@@ -285,7 +281,7 @@ class Server:
             if done:
                 tokens = buf[index, P:P + generated].tolist()
                 stats = fetch_row(self.slots.stats, index)
-                self.results[live.id] = (tokens, stats_of(live.request, live.draft_len, tokens, stats,
+                self.results[live.id] = (tokens, stats_of(live.request, tokens, stats,
                                                          time.perf_counter() - live.admitted, self.rollback))
                 self.live[index] = None
             elif phase[index] == PAUSED:
@@ -315,18 +311,12 @@ def fetch_row(stats, index):
     return {name: fetch(value)[index].tolist() for name, value in stats._asdict().items()}
 
 
-def stats_of(r, K, tokens, counts, seconds, rollback="replay"):
-    """A request's stats as jax_impl.generate gives them."""
-    stats = {"prompt_tokens": len(r.prompt), "target_calls": counts["target_calls"] if counts else 0}
-    if r.draft != "none" and counts:
-        stats.update({name: counts[name] for name in ("proposed", "accepted")})
-        for name in ("proposed_by_position", "accepted_by_position"):
-            stats[name] = counts[name][:r.draft_len]
-        stats["rollback"] = rollback
-    calls = stats["target_calls"]
-    stats.update(new_tokens=len(tokens), seconds={"total": seconds},
-                 tokens_per_call=(len(tokens) - 1) / calls if calls else 0.0)
-    return stats
+def stats_of(r, tokens, counts, seconds, rollback="replay"):
+    """A request's stats as jax_impl.generate gives them (seconds: the total since admission)."""
+    counts = counts or {"target_calls": 0, "proposed": 0, "accepted": 0, "proposed_by_position": [],
+                        "accepted_by_position": []}
+    return reference.generation_stats(len(r.prompt), len(tokens), counts["target_calls"], {"total": seconds},
+                                      None if r.draft == "none" else counts, r.draft_len, rollback)
 
 
 def check_memory(cfg, params, slots, capacity):

@@ -376,23 +376,14 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
     """reference.generate / generate_speculative on device -> (tokens, stats). draft: "none", "ngram" (with an
     optional offline table, reference.build_ngram_table's format) or "mtp".
     stats["seconds"] has compile, prefill, decode and total (total leaves compile out)."""
-    if draft not in ("none", *DRAFTERS):
-        raise reference.UserError(f"--draft {draft}: jax_impl runs none, ngram and mtp on device "
-                                  "(skip:N, model:DIR, dflash and the self-speculative drafters are reference.py only)")
-    if draft == "mtp":
-        reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer
-    if rollback not in reference.ROLLBACK_STRATEGIES:
-        raise reference.UserError(f"--rollback {rollback}: expected one of {', '.join(reference.ROLLBACK_STRATEGIES)}")
-    for flag, value, (low, high) in (("--seed", seed, reference.SEED_RANGE),
-                                     ("--draft-len", draft_len, (0, reference.MAX_DRAFT_LEN))):
-        if not low <= value <= high:
-            raise reference.UserError(f"{flag} {value}: must be in [{low}, {high}]")
+    check_settings(params, cfg, dict(max_new_tokens=max_new_tokens, **sampling._asdict(), seed=seed, draft=draft,
+                                     draft_len=draft_len, rollback=rollback))
     limit = reference.token_limit(cfg, list(prompt), max_new_tokens)
     K = round_draft_len(draft, draft_len, limit)
     P, capacity = buffer_sizes(len(prompt), limit, K)
-    stats = {"prompt_tokens": len(prompt), "target_calls": 0}
     seconds = dict.fromkeys(("compile", "prefill", "decode"), 0.0)
-    tokens = []
+    tokens, counts = [], {"target_calls": 0, "proposed": 0, "accepted": 0, "proposed_by_position": [],
+                          "accepted_by_position": []}
     if limit > 0:
         host = replicated(mesh)
         prompt = np.asarray(prompt, np.int32)
@@ -422,13 +413,17 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         seconds["compile"] = time.perf_counter() - start
         buf, ntok, device_stats = run(limit)
         tokens = [int(t) for t in fetch(buf)[len(prompt):int(fetch(ntok))]]
-        device_stats = {name: fetch(value).tolist() for name, value in device_stats._asdict().items()}
-        for name in ("proposed_by_position", "accepted_by_position"):  # the reference's length (K past the end: 0)
-            device_stats[name] += [0] * (draft_len - K)
-        stats.update(device_stats if draft != "none" else {"target_calls": device_stats["target_calls"]})
-        if draft != "none":
-            stats["rollback"] = rollback
+        counts = {name: fetch(value).tolist() for name, value in device_stats._asdict().items()}
     seconds["total"] = seconds["prefill"] + seconds["decode"]
-    calls = stats["target_calls"]
-    stats.update(new_tokens=len(tokens), seconds=seconds, tokens_per_call=(len(tokens) - 1) / calls if calls else 0.0)
-    return tokens, stats
+    return tokens, reference.generation_stats(len(prompt), len(tokens), counts["target_calls"], seconds,
+                                              None if draft == "none" else counts, draft_len, rollback)
+
+
+ENGINE_DRAFTERS = ("jax_impl", ("none", *DRAFTERS))  # what reference.check_settings lets through to this engine
+
+
+def check_settings(params, cfg, settings, label=str):
+    """reference.check_settings for this engine (its drafters), and the MTP drafter's needs (weights, one layer)."""
+    reference.check_settings(settings, label, ENGINE_DRAFTERS)
+    if settings.get("draft") == "mtp":
+        reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer

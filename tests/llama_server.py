@@ -9,17 +9,14 @@ there makes concurrent test workers build it once. LLAMA_SERVER may name a llama
 
 import fcntl
 import os
-import socket
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
 import llama_cpp
 
 from conformance.engines.llama_cpp import vendored_folder, vendored_llama_cpp
+from server_process import free_port, served
 
 BINARY_ENV = "LLAMA_SERVER"
 JOBS = 2
@@ -27,8 +24,6 @@ CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHA
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
                  # no network at build time: no web UI download, no HTTPS
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
-HEALTH_TIMEOUT = 120.0     # seconds for the model to load and /health to answer 200
-STOP_TIMEOUT = 10.0
 
 
 def cache_folder():
@@ -63,28 +58,6 @@ def build(folder):
                 raise RuntimeError(f"building llama-server failed: {' '.join(command)}; see {folder / 'build.log'}")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url, process, log_path, timeout=HEALTH_TIMEOUT):
-    """Poll GET /health until it answers 200 (503 while the model loads); fail if the process exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as answer:
-                if answer.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"llama-server did not become healthy in {timeout} s:\n{log_path.read_text()[-3000:]}")
-
-
 def server_command(binary, gguf, port, slots, context_per_slot, threads, extra):
     """llama-server on float32 KV caches without flash attention (as the llama_cpp engine runs), `slots` parallel
     slots each holding `context_per_slot` positions, continuous batching and prompt caching (both on by default,
@@ -98,17 +71,6 @@ def server_command(binary, gguf, port, slots, context_per_slot, threads, extra):
 def llama_server(gguf, log_path, slots=4, context_per_slot=512, threads=2, extra=()):
     """A llama-server process serving `gguf` on a free port -> its base URL; stopped on leaving, even on failure."""
     port = free_port()
-    command = server_command(llama_server_binary(), gguf, port, slots, context_per_slot, threads, extra)
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process, Path(log_path))
+    with served("llama-server", server_command(llama_server_binary(), gguf, port, slots, context_per_slot, threads,
+                                               extra), port, log_path) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

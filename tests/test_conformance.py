@@ -35,7 +35,9 @@ def test_transformers_has_no_unexpected_result(capsys, tmp_path):
     skipped = {name for name, r in results.items() if r.status == "SKIP"}
     speculative = {name for name in results if name.startswith("spec-") or name.startswith("trace-") and "@" in name}
     mtp = {name for name in results if name.startswith("mtp-")}
-    assert skipped == speculative | mtp and mtp
+    trees = {name for name in results if name.startswith("tree-")}
+    assert skipped == speculative | mtp | trees and mtp and trees
+    assert all("no tree verify and commit" in results[n].note for n in trees)
     assert all("cannot roll back a Gated DeltaNet state" in results[n].note for n in speculative)
     assert all("no Qwen3.5 MTP head" in results[n].note for n in mtp)
     # the traces without drafts (prefill, plain decoding rows, prefix-cache copies, slot reuse) run and pass

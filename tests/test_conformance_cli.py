@@ -33,10 +33,11 @@ def test_list_counts_the_cases_as_run_does(capsys):
     statistical = sum(read_manifest(f)["kind"] in runner.STATISTICAL for f in folders)
     with_drafts = sum(read_manifest(f)["kind"] == "trace" and "speculative" in read_manifest(f)["features"]
                       for f in folders)
+    trees = sum(read_manifest(f)["kind"] == "tree" for f in folders)
     cases = len(folders) - statistical
-    assert listed[-1] == (f"{cases} cases ({cases + with_drafts} runs: {with_drafts} traces run once per rollback "
-                          f"strategy, per-position and replay) for `run`, and {statistical} cases in the statistical "
-                          "pack for `sample`")
+    assert listed[-1] == (f"{cases} cases ({cases + with_drafts + trees} runs: {with_drafts} traces and {trees} tree "
+                          "cases run once per rollback strategy, per-position and replay) for `run`, and "
+                          f"{statistical} cases in the statistical pack for `sample`")
     assert conformance("list", "--cases", ONE_TRACE_TWICE).splitlines()[-1].startswith(
         "2 cases (3 runs: 1 trace run once per rollback strategy, per-position and replay) for `run`")
     results, code = runner.run("reference", ONE_TRACE_TWICE)

@@ -8,15 +8,19 @@ from test_conformance import run_quietly
 
 
 def test_jax_passes_every_case_but_the_traces(capsys):
-    """(the serving traces, through jax_impl's batched step, are tests/test_conformance_jax_traces.py's)"""
+    """(the serving traces, through jax_impl's batched step, are tests/test_conformance_jax_traces.py's; draft trees
+    are SKIP with their reason until jax_impl verifies trees)"""
     results, code, out = run_quietly("jax", capsys, pattern="^(?!trace-)")
     assert code == 0, out
-    assert {r.status for r in results.values()} == {"PASS"}
-    assert {name for name in results} == {folder.name for folder in case_dirs() if not folder.name.startswith(
+    trees = {name for name in results if name.startswith("tree-")}
+    assert trees and {r.status for name, r in results.items() if name not in trees} == {"PASS"}
+    assert all(results[n].status == "SKIP" and "no tree verify" in results[n].note for n in trees)
+    assert {name.split("@")[0] for name in results} == {folder.name for folder in case_dirs() if not folder.name.startswith(
         "trace-") and read_manifest(folder)["kind"] not in runner.STATISTICAL}
     # and the statistical pack, drawing with jax.random as its generate loop does
     results, code, out = run_quietly("jax", capsys, statistical=True)
-    assert code == 0 and {r.status for r in results.values()} == {"PASS"}, out
+    assert code == 0 and {r.status for n, r in results.items() if not n.startswith("draws-tree-")} == {"PASS"}, out
+    assert {r.status for n, r in results.items() if n.startswith("draws-tree-")} == {"SKIP"}
 
 
 def uncompared_in_bf16(meta):

@@ -223,3 +223,14 @@ def test_serving_by_batch():
     assert plain[0] < plain[1] < plain[2] and gain[0] > 2 > 1.1 > gain[2]
     for a in (0.0, 0.3, 0.9):
         assert M.acceptance_of(M.expected_tokens(a, 4), 4) == pytest.approx(a, abs=1e-9)
+
+
+def test_a_chain_is_the_tree_of_one_child_per_node_and_a_shallow_tree_drafts_less():
+    cfg = M.published_config("9B")
+    for drafter in ("free", "mtp"):
+        s = M.Setting(M.H200, drafter=drafter)
+        for K in (1, 4, 8):       # everything accepted: the chain's expected tokens, no commit in either
+            assert M.tree_speedup(cfg, K, K, K + 1, "replay", s) == pytest.approx(M.speedup(cfg, K, 1.0, "replay", s))
+    mtp, free = M.Setting(M.H200, drafter="mtp"), M.Setting(M.H200)
+    assert M.tree_cycle_seconds(cfg, 8, 3, 2.5, "replay", mtp) < M.tree_cycle_seconds(cfg, 8, 8, 2.5, "replay", mtp)
+    assert M.tree_cycle_seconds(cfg, 8, 3, 2.5, "replay", free) == M.tree_cycle_seconds(cfg, 8, 8, 2.5, "replay", free)

@@ -34,12 +34,18 @@ SHOWN_BY = {
     "replay-one-step-short": "spec-tiny-dense-sampling-accept0-replay",
     "replay-one-step-long": "spec-tiny-dense-sampling-accept0-replay",
     "count-the-matches": "trace-greedy-rematch-tiny-draft-greedy",
+    "tree-state-from-previous-row": "tree-tiny-mtp-greedy-binary-inner-node",
+    "tree-conv-along-rows": "tree-tiny-mtp-greedy-binary-inner-node",
+    "tree-position-by-row": "tree-tiny-mtp-greedy-binary-inner-node",
+    "tree-attention-causal": "tree-tiny-mtp-greedy-binary-inner-node",
+    "tree-commit-by-accept-length": "tree-tiny-mtp-greedy-binary-inner-node",
+    "tree-chain-rule-on-siblings": "tree-tiny-dense-sampling-top-k-one-hot",
     **{name: "dflash-tiny-mtp-tiny-mtp-dflash" for name in (
         "dflash-mask-in-first-slot", "dflash-not-cropped", "dflash-taps-one-early", "dflash-taps-sorted",
         "dflash-features-without-norm")},
 }
-CALLS = ("prefill", "decode", "run_op", "sample", "verify", "commit", "accept", "mtp_hidden", "mtp_draft",
-         "dflash_features", "dflash_draft")
+CALLS = ("prefill", "decode", "run_op", "sample", "verify", "commit", "accept", "verify_tree", "commit_tree",
+         "accept_tree", "mtp_hidden", "mtp_draft", "dflash_features", "dflash_draft")
 
 
 def engine_making(mistake):

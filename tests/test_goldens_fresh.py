@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import reference as R
-from conformance.make import generate as G
+from conformance.make import build as G
 from conformance.format import CASES_DIR, EXPECTED, MANIFEST, REGENERATE, TOLERANCES, read_tensors
 from conftest import ROOT
 
@@ -20,7 +20,7 @@ SIZE_LIMIT = 20 * 2**20          # the serving traces hold a state after every c
 
 
 def test_regenerating_changes_nothing_but_float32_rounding(tmp_path):
-    G.generate(tmp_path, progress=io.StringIO())
+    G.build_cases(tmp_path, progress=io.StringIO())
     stale = G.differences(tmp_path, CASES_DIR)
     assert not stale, f"{len(stale)} differences, e.g. {stale[:5]}; run `{REGENERATE}` and commit cases/"
 
@@ -34,7 +34,7 @@ def test_regenerating_with_one_blas_thread_changes_nothing_either():
 
 
 def primitives_into(folder):
-    G.generate(folder, progress=io.StringIO(), cases=G.primitive_cases())
+    G.build_cases(folder, progress=io.StringIO(), cases=G.primitive_cases())
 
 
 @pytest.fixture

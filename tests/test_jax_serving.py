@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import jax_impl
 import reference
-from jax_impl import batch, serve
+from jax_impl import batch, jsonl
 from jax_impl.serving import Server
 from conftest import ROOT
 
@@ -194,7 +194,7 @@ def test_bad_requests_are_refused_at_submit(kwargs, message):
 # The command line
 
 def test_cli_results_equal_single_runs(tmp_path, capsys):
-    """python -m jax_impl.serve: each result line equals python -m jax_impl --json's output for that request alone
+    """python -m jax_impl.jsonl: each result line equals python -m jax_impl --json's output for that request alone
     (tokens, text, acceptance), results written as they finish. (The shapes of test_unpinned_server...: shared
     compiled programs.)"""
     requests = [{"prompt_ids": PROMPTS[0], "max_new_tokens": 9, "draft": "ngram", "id": "a"},
@@ -203,7 +203,7 @@ def test_cli_results_equal_single_runs(tmp_path, capsys):
     path, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in requests))
     model_dir = str(ROOT / "weights" / CHECKPOINT)
-    code = serve.main(["--requests", str(path), "--out", str(out), "--model", model_dir, "--slots", "4",
+    code = jsonl.main(["--requests", str(path), "--out", str(out), "--model", model_dir, "--slots", "4",
                        "--context", "48"])
     assert code == 0, capsys.readouterr().err
     results = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -231,9 +231,9 @@ def jax_impl_json(argv, capsys):
 @pytest.mark.parametrize("lines, flags, message", [
     (["{not json"], [], "line 1: not JSON"),
     ([{"prompt_ids": [1]}, {"prompt_ids": [1], "temprature": 1}], [], "line 2: unknown field 'temprature'"),
-    ([{"prompt_ids": [1], "temperature": 1e9}], [], "line 1: --temperature 1000000000.0: must be"),
+    ([{"prompt_ids": [1], "temperature": 1e9}], [], "line 1: temperature 1000000000.0: must be"),
     ([{"prompt_ids": [1, 5000]}], [], "line 1: prompt token id 5000 is outside the vocabulary"),
-    ([{"prompt_ids": [1], "draft": "model:x"}], [], "line 1: draft model:x: must be one of none, ngram, mtp"),
+    ([{"prompt_ids": [1], "draft": "model:x"}], [], "line 1: draft model:x: jax_impl runs none, ngram and mtp"),
     ([{"prompt_ids": [1], "stop": 256}], [], "line 1: stop: expected a list of token ids"),
     ([{"prompt_ids": "1,2"}], [], "line 1: prompt_ids: expected a list of token ids"),
     ([[1, 2]], [], "line 1: expected a JSON object"),
@@ -244,13 +244,13 @@ def jax_impl_json(argv, capsys):
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, lines, flags, message):
     path = tmp_path / "requests.jsonl"
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
-    code = serve.main(["--requests", str(path), "--out", str(tmp_path / "out.jsonl"), "--model",
+    code = jsonl.main(["--requests", str(path), "--out", str(tmp_path / "out.jsonl"), "--model",
                        str(ROOT / "weights" / CHECKPOINT), *flags])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_missing_requests_file(tmp_path, capsys):
-    assert serve.main(["--requests", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert jsonl.main(["--requests", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "none.jsonl" in err and len(err.strip().splitlines()) == 1

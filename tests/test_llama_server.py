@@ -17,6 +17,7 @@ from conformance import check_server as cs
 from conformance.server_dialects import DIALECTS, ServerRequest
 from conformance.engines.llama_cpp import gguf_file
 from llama_server import llama_server
+from server_process import failing_rules, recorded_rules
 
 MODEL = ROOT / "weights" / "tiny-mtp"
 EXPECTATIONS = ROOT / "conformance" / "expectations" / "server-llama-server.json"
@@ -33,12 +34,8 @@ def test_check_server_fails_as_the_expectations_file_records(gguf, tmp_path, run
     with llama_server(gguf, tmp_path / "server.log", slots=run["slots"], extra=run["options"]) as url:
         summary, _ = cs.check_server(url, MODEL, dialect=run["dialect"], scenarios_regex=run["scenarios"],
                                      report=tmp_path / "report.json", log=lambda line: None, timeout=300)
-    found = {r["scenario"]: sorted({f["rule"] for f in r["failures"]}) for r in summary["scenarios"] if r["failures"]}
-    # an intermittent finding (it depends on the server's timing) may pass; when it fails, it fails as recorded
-    expected = {name: finding["rules"] for name, finding in run["findings"].items()}
-    intermittent = {name for name, finding in run["findings"].items() if finding.get("intermittent")}
-    assert {name: rules for name, rules in found.items()} == {
-        name: rules for name, rules in expected.items() if name in found or name not in intermittent}, \
+    found = failing_rules(summary)
+    assert found == recorded_rules(run, found), \
         json.dumps([r for r in summary["scenarios"] if r["failures"]], indent=1)[:6000]
     assert all(r["tokens"] > 0 for r in summary["scenarios"])
 

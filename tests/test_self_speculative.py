@@ -285,7 +285,7 @@ def test_the_sampling_check_catches_a_shortlist_q_that_is_not_zero_outside():
         tokens, _, after = honest.propose(draft_state, context, new_hidden, k, sampling, rng)
         full = R.mtp_drafter(params, cfg).propose(draft_state, context, new_hidden, k, sampling,
                                                   np.random.default_rng(0))[1]
-        return tokens, np.maximum(full, 1e-3), after   # > 0 at the drafts, as checked() requires
+        return tokens, np.maximum(full, 1e-3), after   # > 0 at the drafts, as checked_propose() requires
     counts = output_counts(cfg, params, honest._replace(propose=wrong_q), sampling, SAMPLING_RUNS)
     dist = exact_distribution(cfg, params, [1, 2, 3, 1, 2], 3, sampling)
     assert chi_square_p_value(counts, dist, SAMPLING_RUNS) < 1e-6

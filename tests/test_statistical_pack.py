@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import reference as R
-from conformance import chisquare, rules, runner
+from conformance import chisquare, diagnosis, rules, runner
 from conformance.make import draws
 from conformance.__main__ import main
 from conformance.engines import register_engine
@@ -73,8 +73,8 @@ def test_a_correct_engine_fails_a_case_at_the_stated_rate(folder):
     meta, expected = read_manifest(folder), read_tensors(folder, EXPECTED)
     spec, n = meta["outputs"]["outcomes"], meta["attrs"]["draws"]
     P, bins = expected["outcomes"], expected[spec["test"]["bins"]]
-    groups = [range(P.size)] if meta["kind"] == "speculative_draws" else [range(i * P.shape[1], (i + 1) * P.shape[1])
-                                                                          for i in range(len(P))]
+    groups = [range(P.size)] if meta["kind"] != "sampling_draws" else [range(i * P.shape[1], (i + 1) * P.shape[1])
+                                                                         for i in range(len(P))]
     rng, simulations = np.random.default_rng(1), 200_000
     statistics = np.zeros(simulations)
     for p in chisquare.group_bins(P.astype(np.float64), bins, groups):
@@ -82,6 +82,43 @@ def test_a_correct_engine_fails_a_case_at_the_stated_rate(folder):
         statistics += ((counts - n * p) ** 2 / (n * p)).sum(axis=1)
     alarms = int((statistics > spec["test"]["critical"]).sum())
     assert 3 <= alarms <= 50, f"{alarms} false alarms in {simulations}, {simulations * spec['alpha']:.0f} expected"
+
+
+@register_engine("test_draws_tree_chain_rule")
+class ChainRuleOnSiblings(Reference):
+    """Tree acceptance by the chain rule on each edge (diagnosis.tree_chain_rule_on_siblings), its own numbers."""
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        rng, p = np.random.default_rng(seed), R.probabilities(logits, R.sampling_of(sampling))
+        rounds = [diagnosis.tree_chain_rule_on_siblings(list(tokens), list(parents), q, p, rng.random(len(tokens)))
+                  for _ in range(n)]
+        return np.array([path[-1] for path, _ in rounds]), np.array([t for _, t in rounds])
+
+
+def test_the_chain_rule_on_tree_siblings_is_flagged(capsys):
+    trees = {read_manifest(folder)["name"] for folder in PACK if read_manifest(folder)["kind"] == "tree_draws"}
+    results, code, out = run_quietly("test_draws_tree_chain_rule", capsys, statistical=True, expectations={})
+    assert trees and code == 1, out
+    assert {name for name, r in results.items() if r.status == "FAIL"} == trees, out
+
+
+def test_tree_outcomes_are_what_the_tree_rules_draw():
+    """reference.tree_outcomes and the chain rule's closed form (the tree cases' golden and their test's
+    alternative) against 20,000 walks of each rule on a pack case's tree."""
+    from scipy import stats
+    folder = next(f for f in PACK if f.name == "draws-tree-top-k-one-hot-q")
+    meta, inputs = read_manifest(folder), read_tensors(folder, INPUTS)
+    tokens, parents, q = list(inputs["tree_tokens"]), list(inputs["tree_parents"]), inputs["q"].astype(np.float64)
+    p, n = R.probabilities(inputs["tree_logits"].astype(np.float64), R.sampling_of(meta["attrs"])), 20_000
+    for walk, closed in ((R.accept_tree_speculative, R.tree_outcomes),
+                         (diagnosis.tree_chain_rule_on_siblings, diagnosis.tree_chain_rule_outcomes)):
+        rng, counts = np.random.default_rng(0), np.zeros(p.shape)
+        for _ in range(n):
+            path, token = walk(tokens, parents, q, p, rng.random(len(tokens)))
+            counts[path[-1], token] += 1
+        P = closed(tokens, parents, q, p)
+        bins, count = chisquare.pooled_bins(P, n, [range(P.size)])
+        statistic, impossible = chisquare.chi_square(counts, P, bins, n)
+        assert impossible == 0 and stats.chi2.sf(statistic, count - 1) > 1e-3, walk.__name__
 
 
 def test_speculative_outcomes_is_what_accept_speculative_draws():

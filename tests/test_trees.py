@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import reference as R
+from conformance import diagnosis
 from conftest import model
 from test_speculative import PROMPT, chi_square_p_value, plain_greedy
 
@@ -170,19 +171,6 @@ def toy_tree(root, siblings, rng):
     return tokens, parents, np.array(q)
 
 
-def chain_rule_on_siblings(tokens, parents, q, p, u):
-    """The biased rule: min(1, p/q) on each edge with the node's own p (no residual between siblings)."""
-    path = [0]
-    while True:
-        children = R.tree_children(parents, path[-1])
-        child = next((c for c in children if u[c - 1] < R.acceptance(p[path[-1], tokens[c]], q[c - 1, tokens[c]])),
-                     None)
-        if child is None:
-            leftover = p[path[-1]] if not children else R.residual(p[path[-1]], q[children[0] - 1])
-            return path, R.sample(leftover, u[len(tokens) - 1])
-        path.append(child)
-
-
 def toy_generate(siblings, rule, seed):
     rng, out = np.random.default_rng(seed), [0]
     while len(out) <= LENGTH:
@@ -214,7 +202,7 @@ def test_multi_draft_sampling_follows_the_target(siblings):
 def test_chain_rule_on_top_k_siblings_is_caught_as_biased():
     counts = {}
     for seed in range(RUNS):
-        seq = toy_generate("top-k-marginal", chain_rule_on_siblings, seed)
+        seq = toy_generate("top-k-marginal", diagnosis.tree_chain_rule_on_siblings, seed)
         counts[seq] = counts.get(seq, 0) + 1
     assert chi_square_p_value(counts, markov_distribution(LENGTH), RUNS) < 1e-6
 
@@ -270,8 +258,43 @@ def test_ngram_tree_merges_continuations_within_the_budget():
 def test_greedy_ngram_tree_generation_equals_plain(rollback):
     cfg, params = model(CHECKPOINT)
     tokens, stats = R.generate_tree_speculative(params, cfg, PROMPT, 24, R.Sampling(), np.random.default_rng(0),
-                                                R.ngram_tree, R.TreeBudget(8, 4, 3), rollback)
+                                                R.NGRAM_TREE, R.TreeBudget(8, 4, 3), rollback)
     assert tokens == plain_greedy(CHECKPOINT) and stats["target_calls"] < 23   # some round accepted a draft
+
+
+def test_top_k_tree_keeps_the_likeliest_nodes_as_a_tree():
+    # depth 1: tokens 0, 1, 2 at 0.5, 0.3, 0.2; depth 2 (after the spine's 0): token 3 at 0.9, token 1 at 0.1
+    depth_logits = np.log([[0.5, 0.3, 0.2, 1e-9], [1e-9, 0.1, 1e-9, 0.9]])
+    tokens, parents = R.top_k_tree(7, depth_logits, R.TreeBudget(nodes=3, depth=2, branch=2))
+    # reach: 0 -> .5, 1 -> .3, (0, 3) -> .45, (0, 1) -> .05; keep the three likeliest, by depth then rank
+    assert (tokens, parents) == ([7, 0, 1, 3], [-1, 0, 0, 1])
+    tokens, parents = R.top_k_tree(7, depth_logits, R.TreeBudget(nodes=4, depth=1, branch=3))
+    assert (tokens, parents) == ([7, 0, 1, 2], [-1, 0, 0, 0])
+    assert R.top_k_tree(7, depth_logits, R.TreeBudget(nodes=2, depth=2, branch=1)) == ([7, 0, 3], [-1, 0, 1])
+
+
+@pytest.mark.parametrize("rollback", R.ROLLBACK_STRATEGIES)
+def test_greedy_mtp_tree_generation_equals_plain(rollback):
+    cfg, params = model(CHECKPOINT)
+    tokens, stats = R.generate_tree_speculative(params, cfg, PROMPT, 24, R.Sampling(), np.random.default_rng(0),
+                                                R.mtp_tree_drafter(params, cfg), R.TreeBudget(8, 4, 3), rollback)
+    assert tokens == plain_greedy(CHECKPOINT) and len(stats["accepted_depths"]) == stats["target_calls"]
+
+
+def test_an_mtp_chain_tree_is_the_mtp_chain_and_a_wider_tree_accepts_more():
+    """On the trained default model (its head drafts well): a tree of one child per node makes as many target calls
+    as the MTP chain of the same depth; with top-3 siblings at each depth (12 nodes) fewer."""
+    cfg, params = model("default")
+    prompt, n = PROMPT[:16], 24
+    plain = R.generate(params, cfg, prompt, n, R.Sampling(), np.random.default_rng(0))[0]
+    chain_tokens, chain = R.generate_speculative(params, cfg, prompt, n, R.Sampling(), np.random.default_rng(0),
+                                                 R.mtp_drafter(params, cfg), 4)
+    tree_tokens, tree = R.generate_tree_speculative(params, cfg, prompt, n, R.Sampling(), np.random.default_rng(0),
+                                                    R.mtp_tree_drafter(params, cfg), R.TreeBudget(4, 4, 1))
+    wide_tokens, wide = R.generate_tree_speculative(params, cfg, prompt, n, R.Sampling(), np.random.default_rng(0),
+                                                    R.mtp_tree_drafter(params, cfg), R.TreeBudget(12, 4, 3))
+    assert plain == chain_tokens == tree_tokens == wide_tokens
+    assert tree["target_calls"] == chain["target_calls"] and wide["target_calls"] < tree["target_calls"]
 
 
 def run_cli(*args):
@@ -288,8 +311,12 @@ def test_cli_tree_gives_plain_greedy_tokens_and_rejects_bad_budgets():
     done = run_cli("--draft", "ngram", "--tree", "8:4:2")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["tokens"] == plain_greedy(CHECKPOINT)[:12]
+    done = run_cli("--draft", "mtp", "--tree", "6:3:2", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tokens"] == plain_greedy(CHECKPOINT)[:12]
+    assert json.loads(done.stdout)["stats"]["drafter"] == "mtp"
     for bad in (["--draft", "ngram", "--tree", "x"], ["--draft", "ngram", "--tree", "0"],
                 ["--draft", "ngram", "--tree", "4:2:2:1"], ["--draft", "ngram", "--tree", "4:99"],
-                ["--tree", "4"]):
+                ["--tree", "4"], ["--draft", "model:weights/tiny-draft", "--tree", "4"]):
         done = run_cli(*bad)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--tree" in done.stderr, bad

@@ -27,7 +27,8 @@ else:
     missing_jax = None
 
 CARD_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", '    """Return the number of ']
-DRAFTERS = [("mtp", 1, False), ("mtp", 2, False), ("mtp", 3, False), ("ngram", 4, False), ("ngram", 4, True)]
+# (drafter, K, with the free-draft table)
+SETTINGS_EVALUATED = [("mtp", 1, False), ("mtp", 2, False), ("mtp", 3, False), ("ngram", 4, False), ("ngram", 4, True)]
 TABLE_PROMPTS = 96
 
 
@@ -48,7 +49,7 @@ def evaluate(model_dir, prompts, table_prompts, new_tokens):
     plain = [jax_impl.generate(params, cfg, p, new_tokens)[0] for p in prompts]
     table = free_draft_table(params, cfg, table_prompts, new_tokens)
     results = {}
-    for draft, K, with_table in DRAFTERS:
+    for draft, K, with_table in SETTINGS_EVALUATED:
         label = f"{draft}{' + free-draft table' if with_table else ''} K={K}"
         totals = {"proposed": 0, "accepted": 0, "target_calls": 0, "new_tokens": 0,
                   "accepted_by_position": np.zeros(K), "proposed_by_position": np.zeros(K), "exact": True}

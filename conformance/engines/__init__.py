@@ -63,7 +63,7 @@ def get_engine(spec, timeout=None):
         except Exception as e:
             raise EngineError(f"engine {spec}: creating {cls!r} failed: {type(e).__name__}: {e}") from None
     try:
-        return checked(engine, spec)
+        return validated_engine(engine, spec)
     except EngineError:
         if isinstance(engine, Engine):   # a refused engine holds nothing afterwards (a process engine: its process)
             engine.close()
@@ -112,7 +112,7 @@ def imported_class(spec):
     return getattr(module, attr)
 
 
-def checked(engine, spec):
+def validated_engine(engine, spec):
     """The engine with its features expanded from groups (format.FEATURE_GROUPS) and its precision checked."""
     features = getattr(engine, "features", None)
     if not isinstance(features, (set, frozenset, list, tuple)) or not all(isinstance(f, str) for f in features):
@@ -155,6 +155,8 @@ class Engine:
         sampling                         sample
         speculative, rollback:*          verify, commit
         accept:greedy, accept:sampling   accept
+        tree, accept:tree-sampling       verify_tree, commit_tree, accept_tree
+        accept:tree-draws                accept_tree_draws (the statistical pack)
         trace                            (the default run_trace drives the methods above, one step at a time)
         snapshot                         copy_state (or a run_trace override that keeps prefix-cache entries itself)
         mtp                              mtp_hidden, mtp_draft (export_mtp_state with state_export)
@@ -219,6 +221,26 @@ class Engine:
     def accept(self, draft, q, logits, sampling, uniforms):
         """Drafts (K,), draft distributions q (K, V) or None, verify logits (K+1, V), uniforms (K+1,) or None ->
         (number of accepted drafts, the target's next token)."""
+        raise NotImplementedError
+
+    def verify_tree(self, model, state, tokens, parents, rollback):
+        """One pass over a draft tree: tokens (N,), parents (N,) (parents[0] = -1: node 0 is the root, the last
+        committed token; every other node's parent precedes it), keeping what `rollback` needs -> (logits (N, V): row
+        i the next-token logits after the root-to-node-i path, pending)."""
+        raise NotImplementedError
+
+    def commit_tree(self, model, pending, path):
+        """Keep an accepted root-to-node path [0, ..., L] (node indices) -> the state after consuming its tokens."""
+        raise NotImplementedError
+
+    def accept_tree(self, tokens, parents, q, logits, sampling, uniforms):
+        """A tree's acceptance: tokens, parents (N,), q (N-1, V) or None (row c-1: node c's draft distribution),
+        verify logits (N, V), uniforms (N,) or None -> (the accepted path [0, ..., L], the target's next token)."""
+        raise NotImplementedError
+
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        """n independent rounds of the engine's acceptance of the same tree (tokens, parents (N,), q (N-1, V), verify
+        logits (N, V)) with its own random numbers -> (the last accepted node of each round (n,), the next token (n,))."""
         raise NotImplementedError
 
     def draw(self, logits, sampling, n, seed):

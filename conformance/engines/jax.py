@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import reference as R, sibling
 from . import Engine, Timed, layer_config, layer_params, moe_config, register_engine
-from ..format import FEATURES, state_tensors
+from ..format import FEATURE_GROUPS, FEATURES, state_tensors
 
 jax_impl, M, spec_decode = sibling("jax_impl"), sibling("jax_impl.model"), sibling("jax_impl.spec_decode")
 batch, compiled = sibling("jax_impl.batch"), spec_decode.compiled
@@ -83,7 +83,7 @@ def host(x):
 
 @register_engine("jax")
 class Jax(Engine):
-    features = frozenset(FEATURES) - {"dflash"}
+    features = frozenset(FEATURES) - set(FEATURE_GROUPS["trees"]) - {"dflash"}   # no tree verify, no DFlash drafter in jax_impl yet
     dtype = "float32"                 # of weights and activations (jax_impl.weights.DTYPES)
 
     def load(self, checkpoint_dir):

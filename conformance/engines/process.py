@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import Engine, EngineError, checked
+from . import Engine, EngineError, validated_engine
 from ..format import SUITE_VERSION
 from ..protocol import (MAX_LINE_BYTES, PROTOCOL_VERSION, ProtocolError, from_wire, new_files, to_wire,
                         write_files)
@@ -72,7 +72,7 @@ class ProcessEngine(Engine):
             self.refuse(f"exec:{command}: hello answered tensors={hello.get('tensors')!r} (inline or files) and "
                         f"optional_ops {sorted(unknown)} (known: {', '.join(OPTIONAL_OPS)})")
         try:
-            checked(self, f"exec:{command}")    # its features and precision, here so that a refusal stops it
+            validated_engine(self, f"exec:{command}")    # its features and precision, here so that a refusal stops it
         except EngineError as e:
             self.refuse(str(e))
 
@@ -243,6 +243,27 @@ class ProcessEngine(Engine):
         answer = self.request("accept", draft=[int(t) for t in draft], q=q, logits=logits, sampling=sampling,
                               uniforms=uniforms)
         return int(required(answer, "accepted", "accept")), int(required(answer, "token", "accept"))
+
+    def verify_tree(self, model, state, tokens, parents, rollback):
+        answer = self.request("verify_tree", model=model, state=state, tokens=[int(t) for t in tokens],
+                              parents=[int(p) for p in parents], rollback=rollback)
+        return required(answer, "logits", "verify_tree"), self.handle(answer, "pending", "verify_tree")
+
+    def commit_tree(self, model, pending, path):
+        return self.handle(self.request("commit_tree", model=model, pending=pending, path=[int(n) for n in path]),
+                           "state", "commit_tree")
+
+    def accept_tree(self, tokens, parents, q, logits, sampling, uniforms):
+        answer = self.request("accept_tree", tokens=[int(t) for t in tokens], parents=[int(p) for p in parents], q=q,
+                              logits=logits, sampling=sampling, uniforms=uniforms)
+        return ([int(n) for n in required(answer, "path", "accept_tree")],
+                int(required(answer, "token", "accept_tree")))
+
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        answer = self.request("accept_tree_draws", tokens=[int(t) for t in tokens], parents=[int(p) for p in parents],
+                              q=q, logits=logits, sampling=sampling, n=int(n), seed=int(seed))
+        return (np.asarray(required(answer, "ends", "accept_tree_draws"), np.int64),
+                np.asarray(required(answer, "tokens", "accept_tree_draws"), np.int64))
 
     def draw(self, logits, sampling, n, seed):
         answer = self.request("draw", logits=logits, sampling=sampling, n=int(n), seed=int(seed))

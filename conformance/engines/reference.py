@@ -98,6 +98,24 @@ class Reference(Engine):
     def accept(self, draft, q, logits, sampling, uniforms):
         return R.accept(list(draft), q, logits, R.sampling_of(sampling), uniforms)
 
+    def verify_tree(self, model, state, tokens, parents, rollback):
+        cfg, params = model
+        logits, _, verified = R.verify_tree(params, cfg, state, tokens, parents, rollback)
+        return logits, verified
+
+    def commit_tree(self, model, verified, path):
+        return R.commit_tree(verified, [int(node) for node in path])
+
+    def accept_tree(self, tokens, parents, q, logits, sampling, uniforms):
+        return R.accept_tree([int(t) for t in tokens], R.check_tree(parents), q, logits, R.sampling_of(sampling),
+                             uniforms)
+
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        rng, sampling = np.random.default_rng(seed), R.sampling_of(sampling)
+        tokens, parents = [int(t) for t in tokens], R.check_tree(parents)
+        rounds = [R.accept_tree(tokens, parents, q, logits, sampling, rng.random(len(tokens))) for _ in range(n)]
+        return np.array([path[-1] for path, _ in rounds], np.int64), np.array([t for _, t in rounds], np.int64)
+
     def copy_state(self, model, state):
         return state                    # a reference State is a value: no call ever changes one
 

@@ -21,7 +21,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSpars
 from transformers.utils import logging
 
 from . import Engine, register_engine
-from ..format import FEATURES
+from ..format import FEATURE_GROUPS, FEATURES
 
 
 def tensor(a):
@@ -160,7 +160,7 @@ OPS = {"rms_norm": rms_norm, "rms_norm_gated": rms_norm_gated,
 @register_engine("transformers")
 class Transformers(Engine):
     features = frozenset(FEATURES) - {"speculative", "rollback:per-position", "rollback:replay", "accept:greedy",
-                                      "accept:sampling", "accept:draws", "mtp", "dflash"}
+                                      "accept:sampling", "accept:draws", "mtp", "dflash", *FEATURE_GROUPS["trees"]}
 
     def __init__(self, dtype="float32", device="cpu", attention="eager"):
         """The suite runs the defaults: float32 on the CPU, eager attention. The benchmarks (bench/timing.py) time

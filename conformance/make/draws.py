@@ -11,6 +11,7 @@ false-alarm rate, and the number of draws, the least of DRAWS for which the test
 
 import numpy as np
 
+from .. import diagnosis
 from .. import reference as R
 from .. import rules
 from ..chisquare import TEST, bin_totals, group_bins, pooled_bins
@@ -68,16 +69,20 @@ def alternatives(rounds, P0):
     return found
 
 
-def draws_case(name, kind, feature, description, sampling, inputs, P0, rounds, groups, axes, attrs):
-    """The case, its test sized for the wrong rules (None if no number of draws in DRAWS detects them all)."""
-    sized = sized_test(name, P0, alternatives(rounds, P0), groups)
+SPECS = {"sampling_draws": "reference.probabilities", "speculative_draws": "reference.speculative_outcomes",
+         "tree_draws": "reference.tree_outcomes"}
+
+
+def draws_case(name, kind, feature, description, sampling, inputs, P0, rounds, groups, axes, attrs, wrong=None):
+    """The case, its test sized for the wrong rules (`wrong`: {name: distribution}, by default the rules.py rules'
+    on `rounds`; None if no number of draws in DRAWS detects them all)."""
+    sized = sized_test(name, P0, alternatives(rounds, P0) if wrong is None else wrong, groups)
     if sized is None:
         return None
     n, bins, df, critical, power = sized
     test = {"axes": axes, "degrees_of_freedom": df, "critical": round(critical, 6), "bins": bins,
             "detects": {rule: round(p, 4) for rule, p in sorted(power.items())}}
-    spec = "reference.probabilities" if kind == "sampling_draws" else "reference.speculative_outcomes"
-    return Case(name, kind, spec, description, (feature,), {**sampling._asdict(), "draws": n, **attrs}, inputs,
+    return Case(name, kind, SPECS[kind], description, (feature,), {**sampling._asdict(), "draws": n, **attrs}, inputs,
                 {"outcomes": Output("draws", P0, test=test)})
 
 
@@ -151,8 +156,58 @@ def speculative_draws_case(name, sampling, shape):
                          "wrong rule")
 
 
+# Trees: siblings a drafter's top-k (deterministic: one-hot q) or drawn from it independently (q its distribution),
+# accepted by multi-draft speculative sampling; the wrong rule is the chain rule on each edge (diagnosis.py), biased
+# for top-k siblings (warpfront/hipfire#483)
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2]       # three children of the root, two under the first, one under the second
+TREES = {
+    "draws-tree-top-k-one-hot-q": (R.Sampling(0.8, 0, 1.0), "top-k"),
+    "draws-tree-iid-full-q": (R.Sampling(1.0, 0, 0.9), "iid"),
+}
+MIN_END, MIN_ENDS = 0.01, 4      # at least 4 nodes each end at least 1% of the walks
+
+
+def tree_design(sampling, siblings, rng):
+    """Verify logits (N, V), the tree's tokens (the root any token) and q (N-1, V): each node's children from a
+    drafter, the target's logits at the node plus noise."""
+    logits = rng.normal(0, 2.5, (len(TREE_PARENTS), V)).astype(np.float32)
+    tokens, q = [int(rng.integers(V))], []
+    for node in range(len(TREE_PARENTS)):
+        children = R.tree_children(TREE_PARENTS, node)
+        d = R.softmax(logits[node].astype(np.float64) / max(sampling.temperature, 1.0) + rng.normal(0, 1.0, V))
+        picks = (np.argsort(-d, kind="stable")[:len(children)] if siblings == "top-k" else
+                 rng.choice(V, len(children), p=d))
+        for x in picks:
+            tokens.append(int(x))
+            q.append(R.one_hot([x], V)[0] if siblings == "top-k" else d)
+    return logits, tokens, np.array(q, np.float32)
+
+
+def tree_draws_case(name, sampling, siblings):
+    rng = rng_for(name)
+    for _ in range(ATTEMPTS):
+        logits, tokens, q = tree_design(sampling, siblings, rng)
+        p, q64 = R.probabilities(logits.astype(np.float64), sampling), q.astype(np.float64)
+        P0 = R.tree_outcomes(tokens, TREE_PARENTS, q64, p)
+        if (P0.sum(axis=1) >= MIN_END).sum() < MIN_ENDS:
+            continue
+        wrong = {"tree-chain-rule-on-siblings": diagnosis.tree_chain_rule_outcomes(tokens, TREE_PARENTS, q64, p)}
+        case = draws_case(name, "tree_draws", "accept:tree-draws", f"multi-draft speculative sampling of a given "
+                          f"{len(tokens)}-node tree ({siblings} siblings) with the engine's own random numbers: the "
+                          "last accepted node and the next token", sampling,
+                          {"tree_logits": logits, "tree_tokens": np.array(tokens, np.int64),
+                           "tree_parents": np.array(TREE_PARENTS, np.int64), "q": q}, P0, None, [range(P0.size)],
+                          ["node", "token"], {"siblings": siblings}, wrong)
+        if case:
+            return case
+    raise AssertionError(f"{name}: no design ends walks at {MIN_ENDS} nodes and lets {DRAWS[-1]} draws detect the "
+                         "chain rule on siblings")
+
+
 def draws_cases():
     for name, sampling in SAMPLED.items():
         yield sampling_draws_case(name, sampling)
     for name, (sampling, shape) in SPECULATIVE.items():
         yield speculative_draws_case(name, sampling, shape)
+    for name, (sampling, siblings) in TREES.items():
+        yield tree_draws_case(name, sampling, siblings)

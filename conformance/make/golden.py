@@ -1,6 +1,6 @@
 """What every golden is built from: the checkpoints in float64, inputs drawn from generators seeded by name, and the
 discrete outcomes (greedy steps, accept decisions, sampled tokens) kept clear of the edges where an engine's rounding
-could flip them. generate.py (the cases), traces.py (the serving traces) and draws.py (the statistical pack) share it."""
+could flip them. build.py (the cases), traces.py (the serving traces) and draws.py (the statistical pack) share it."""
 
 import zlib
 from functools import lru_cache

@@ -24,7 +24,7 @@ DRAFT_LEN = G.DRAFT_LEN           # K
 Redraw = G.Redraw
 
 
-class Live(NamedTuple):
+class OpenRequest(NamedTuple):  # a request the trace has not finished
     state: object
     last: int              # the next token to feed: the last committed, not yet consumed
 
@@ -56,7 +56,7 @@ class TraceBuilder:
         self.step({"op": "prefill", "request": request, "tokens": tokens})
         state = self.live[request].state if request in self.live else None
         logits, state = self.target.extend(state, tokens)
-        self.live[request] = Live(state, int(np.argmax(logits[-1])))
+        self.live[request] = OpenRequest(state, int(np.argmax(logits[-1])))
         self.slots = max(self.slots, len(self.live))
 
     def verify(self, request, k=DRAFT_LEN, accept=None, keep=None, sampling=None, stop_at=None, rematch=False,
@@ -97,7 +97,7 @@ class TraceBuilder:
                 raise Redraw(f"{self.name} {prefix}: the new token does not repeat the row's last token")
         else:
             last = int(np.argmax(r.logits[keep - 1]))
-        self.live[request] = Live(r.state, last)
+        self.live[request] = OpenRequest(r.state, last)
 
     def snapshot(self, request, key):
         self.step({"op": "snapshot", "request": request, "key": key})

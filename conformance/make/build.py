@@ -24,6 +24,7 @@ from .golden import (DRAFT_LEN, GREEDY, checkpoint_features, discriminating_rows
                                 rng_for, runner_up, sampled_drafts, sampling_attrs, state_outputs, undiscriminated)
 from .draws import draws_cases
 from .traces import trace_cases
+from .trees import tree_cases
 
 CHECKPOINTS = ("default", "tiny-mtp", "tiny-dense", "tiny-moe", "tiny-moe-per-expert-mtp", "tiny-odd", "tiny-multimodal",
                "tiny-draft")
@@ -468,12 +469,13 @@ def all_cases():
     yield from sampling_cases()
     yield from speculative_cases()
     yield from mtp_cases()
+    yield from tree_cases()
     yield from dflash_cases()
     yield from trace_cases()
     yield from draws_cases()
 
 
-def generate(out_dir, progress=None, cases=None):
+def build_cases(out_dir, progress=None, cases=None):
     """Rewrite every case (or the given ones) under out_dir; case folders there that this run does not write are
     removed."""
     progress = progress or sys.stderr
@@ -540,5 +542,5 @@ def differences(fresh_dir, committed_dir, subset=False):
 def check(committed_dir, progress=None):
     """Regenerate into a temporary folder and compare with committed_dir -> the difference lines."""
     with tempfile.TemporaryDirectory() as tmp:
-        generate(Path(tmp), progress)
+        build_cases(Path(tmp), progress)
         return differences(Path(tmp), committed_dir)
