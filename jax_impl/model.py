@@ -216,7 +216,7 @@ def verify_forward(params, cfg, tokens, state, strategy):
     """One target pass over [last committed token, K drafts] -> logits (K+1, V), hidden (K+1, D), the state after
     all K+1, and what the rollback `strategy` needs: the K+1 kept states ("per-position") or the tapes ("replay")."""
     logits, hidden, after, tapes = forward(params, cfg, tokens, state)
-    return logits, hidden, after, rollback.keep_per_position(state, tapes) if strategy == "per-position" else tapes
+    return logits, hidden, after, rollback.STRATEGIES[strategy].keep(state, tapes)
 
 
 # ----------------------------------------------------------------------------------------------------------------

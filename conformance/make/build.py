@@ -282,16 +282,15 @@ def spec_case(checkpoint, label, prompt_ids, state, verify_tokens, q, uniforms, 
     missed = undiscriminated(draft, q, logits, sampling, uniforms)
     assert not missed, f"{checkpoint} {label}: the wrong rules {missed} decide this round as the spec does"
     n = accepted + 1
-    committed = (R.commit_per_position(state, after, R.keep_per_position(state, tapes), n)
-                 if rollback == "per-position" else R.commit_replay(state, after, tapes, n))
+    strategy = R.ROLLBACK[rollback]
+    committed = strategy.commit(state, after, strategy.keep(state, tapes), n)
     next_logits = R.forward(params, cfg, [token], committed)[0]
     mode = "greedy" if sampling.temperature == 0 else "sampling"
     inputs = {"prompt": prompt_ids, "verify_tokens": i64(verify_tokens)}
     if mode == "sampling":
         inputs.update(q=f32(q), uniforms=f32(uniforms))
     return Case(f"spec-{checkpoint}-{label}-{rollback}", "speculative",
-                f"reference.accept_{'greedy' if mode == 'greedy' else 'speculative'}, reference.commit_"
-                + ("per_position" if rollback == "per-position" else "replay"),
+                f"reference.accept_{'greedy' if mode == 'greedy' else 'speculative'}, reference.{strategy.commit.__name__}",
                 f"prefill the prompt, verify [last token + {len(draft)} drafts], accept {accepted}, commit {n} "
                 f"positions by {rollback}, then decode the new token",
                 ("prefill", "decode", "speculative", f"rollback:{rollback}", f"accept:{mode}")
