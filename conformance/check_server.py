@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import reference as R
+from . import server_statistics as stats
 from .format import TOLERANCES
 from .server_dialects import DIALECTS, Chunk, ServerRequest
 
@@ -124,7 +125,7 @@ def expand(scenario, spec_model, context, draft, text_prompts=None):
             out.append((spec, ServerRequest(prompt, max_tokens, spec.get("temperature", 0.0), spec.get("top_k", 0),
                                             spec.get("top_p", 1.0), spec.get("seed", 0) + copy, stop,
                                             spec.get("ignore_eos", False), spec.get("stream", False), drafter,
-                                            spec.get("draft_len"), **text)))
+                                            spec.get("draft_len"), cache_prompt=spec.get("cache_prompt"), **text)))
     return out
 
 
@@ -194,7 +195,7 @@ def send_scenario(url, dialect, model, requests, concurrency, timeout, tokenizer
     """Send a scenario's requests: each at its "at" time (seconds from the start), after its "after" request
     finished, at most `concurrency` in flight -> [Answer] in order."""
     answers = [Answer() for _ in requests]
-    start = time.monotonic()
+    start, in_flight = time.monotonic(), threading.BoundedSemaphore(concurrency)
 
     def one(index):
         spec, r = requests[index]
@@ -203,7 +204,8 @@ def send_scenario(url, dialect, model, requests, concurrency, timeout, tokenizer
         delay = start + spec.get("at", 0.0) - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        post(url, dialect, r, model, spec.get("cancel_after"), timeout, answers[index], tokenizer)
+        with in_flight:      # waiters released together still go out at most `concurrency` at a time
+            post(url, dialect, r, model, spec.get("cancel_after"), timeout, answers[index], tokenizer)
     # a request waiting for an earlier one must not hold a worker the earlier one needs: waiters get extra workers
     waiting = sum("after" in spec for spec, _ in requests)
     with ThreadPoolExecutor(max_workers=min(concurrency, len(requests)) + waiting) as pool:
@@ -282,6 +284,12 @@ def check_answer(spec, scenario, index, r, answer, dialect, margin, logprob_atol
             if gap > margin:
                 return failure("greedy", scenario, index, r, j, sequence, z, t,
                                f"the server's token is {gap:.4g} below the spec's argmax (near-tie margin {margin})")
+        else:
+            sampling = R.Sampling(r.temperature, r.top_k, r.top_p)
+            if stats.spec_probabilities(z, sampling)[t] == 0 and not stats.near_support(z, t, sampling, margin):
+                return failure("support", scenario, index, r, j, sequence, z, t,
+                               f"the spec gives the server's token no chance at {sampling} (its logit "
+                               f"{float(z[t]):.4g}, within no near-tie margin {margin} of the kept tokens)")
         if j < len(answer.logprobs) and answer.logprobs[j] is not None:
             want = float(log_softmax(z)[t])
             if abs(answer.logprobs[j] - want) > logprob_atol:
@@ -340,8 +348,11 @@ def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=No
                                                                        d, margin, logprob_atol),
                                                 range(len(requests))) if f]
             results.append({"scenario": scenario["name"], "requests": len(requests),
-                            "tokens": sum(len(a.ids) for a in answers), "seconds": round(served, 2),
-                            "status": "FAIL" if failures else "PASS", "failures": failures})
+                            "tokens": sum(len(a.ids) for a in answers), "seconds": round(served, 2)})
+            if scenario.get("distribution"):
+                results[-1]["statistics"], failed = stats.check(spec, scenario, requests, answers, margin)
+                failures += failed
+            results[-1].update(status="FAIL" if failures else "PASS", failures=failures)
             log(line_of(results[-1]))
     summary = {"url": url, "model": str(model_dir), "dialect": dialect, "precision": precision, "draft": draft,
                "margin": margin, "passed": all(r["status"] == "PASS" for r in results), "scenarios": results}
@@ -353,9 +364,16 @@ def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=No
 
 def line_of(result):
     head = f"{result['status']} {result['scenario']}: {result['requests']} requests, {result['tokens']} tokens"
+    tests = [f"{t['test']} chi-square {t['statistic']:.4g} (critical {t['critical']:.4g}, {t['draws']} draws)"
+             for t in result.get("statistics", ())]
+    if tests:
+        head += f" [{'; '.join(tests)}]"
     if not result["failures"]:
         return head
     f = result["failures"][0]
+    if f["rule"] == "distribution":
+        return f"{head}; {len(result['failures'])} failing, first: {f['detail']}" + (
+            f"; prefix ...{f['prefix_tail']}" if f["prefix_tail"] else "")
     top = ", ".join(f"{t} ({z})" for t, z in f["spec_top"])
     return (f"{head}; {len(result['failures'])} failing, first: request {f['request']} {f['rule']} at position "
             f"{f['position']}: {f['detail']}; prefix ...{f['prefix_tail']}, server token {f['server_token']}, spec "

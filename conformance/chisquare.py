@@ -39,6 +39,17 @@ def chi_square(counts, P, bins, n):
     return float(((observed - expected) ** 2 / expected).sum()), int(counts[bins < 0].sum())
 
 
+def critical_value(probabilities, ns, rng, simulations, chunk=50_000):
+    """The statistic that correct engines exceed with tolerances.json's false-alarm rate, from `simulations` of them:
+    per group, n draws (ns) from its bins' probabilities (each summing to 1, or to what the group's bins hold)."""
+    statistics = np.zeros(simulations)
+    for p, n in zip(probabilities, ns):
+        for start in range(0, simulations, chunk):
+            counts = rng.multinomial(n, p / p.sum(), size=min(chunk, simulations - start))
+            statistics[start:start + len(counts)] += ((counts - n * p) ** 2 / (n * p)).sum(axis=1)
+    return float(np.quantile(statistics, 1 - TEST["alpha"], method="higher"))
+
+
 def group_bins(P, bins, groups):
     """Per group: its bins' probabilities (the outcomes P gives no chance left out)."""
     flat_p, flat_bins = P.ravel(), bins.ravel()

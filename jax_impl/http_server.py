@@ -15,7 +15,10 @@ picks a free port; the line names it). Endpoints:
 (default 1.0; 0 is greedy), top_p, seed, stream, and these extensions: top_k, stop_token_ids (ids that end the
 completion besides the checkpoint's EOS ids; ignore_eos: true drops the EOS ids), draft (none, ngram, mtp), draft_len,
 cache_prompt (default true: the prompt leaves a prefix-cache entry that later prompts beginning with it restore).
-Unsupported OpenAI fields (n > 1, best_of, echo, logprobs, stop strings, suffix) are refused, not ignored.
+logprobs: 0 returns each generated token's log-probability under the model's raw logits (before temperature, top-k
+and top-p, as vLLM's default) in the choice's OpenAI `logprobs` ({"tokens", "token_logprobs", "top_logprobs": null,
+"text_offset"}); no alternatives, so logprobs > 0 is refused. Unsupported OpenAI fields (n > 1, best_of, echo,
+logprobs > 0, stop strings, suffix) are refused, not ignored.
 Each choice carries `token_ids`, the generated ids (the stop id that ended it included), as vLLM's
 return_token_ids does, beside `text`; the response's `prompt_token_ids` are the prompt's. A bad request gets a 4xx
 with {"error": {"message", "type"}}. A client that disconnects has its request cancelled in the Server (its slot
@@ -42,8 +45,8 @@ from .weights import DTYPES, load
 UserError = reference.UserError
 MAX_BODY_BYTES = 2**24          # a request body; a prompt of ids at ~8 bytes each: 2M tokens
 REFUSED = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1), "echo": bool,
-           "logprobs": lambda v: v is not None, "stop": lambda v: v not in (None, [], ""),
-           "suffix": lambda v: v not in (None, "")}
+           "logprobs": lambda v: v is not None and (isinstance(v, bool) or v != 0),
+           "stop": lambda v: v not in (None, [], ""), "suffix": lambda v: v not in (None, "")}
 FIELD_OF = {"max_new_tokens": "max_tokens", "stop": "stop_token_ids"}   # a setting -> its OpenAI field, where named apart
 SETTINGS = {FIELD_OF.get(name, name): name for name in reference.REQUEST_SETTINGS if name != "rollback"}  # the server's
 DEFAULTS = {"max_new_tokens": 16, "temperature": 1.0}                    # OpenAI's, where they differ from ours
@@ -136,7 +139,7 @@ def completion_request(body, cfg, tokenizer, context):
         raise BadRequest(str(e)) from None
     sampling = reference.Sampling(*(settings.pop(name) for name in reference.Sampling._fields))
     kwargs = dict(prompt=prompt, **settings, sampling=sampling, stop=tuple(dict.fromkeys(eos + stop)),
-                  cache_prompt=body.get("cache_prompt", True))
+                  cache_prompt=body.get("cache_prompt", True), logprobs=body.get("logprobs") is not None)
     if len(prompt) + kwargs["max_new_tokens"] > context:
         raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens {kwargs['max_new_tokens']} exceed the "
                          f"server's context of {context} tokens")
@@ -145,7 +148,7 @@ def completion_request(body, cfg, tokenizer, context):
 
 class Engine:
     """The thread that owns the Server. submit/cancel are called from the event loop; tokens come back through each
-    request's `deliver(tokens, done)`, called in the engine thread."""
+    request's `deliver(tokens, done, logprobs)`, called in the engine thread."""
 
     def __init__(self, server):
         self.server, self.inbox, self.sinks = server, queue.Queue(), {}
@@ -193,7 +196,7 @@ class Engine:
             except Exception as e:  # a fault of the engine itself: every open request hears of it
                 self.failure = f"{type(e).__name__}: {e}"
                 for deliver in self.sinks.values():
-                    deliver(None, True)
+                    deliver(None, True, None)
                 self.sinks.clear()
                 raise
             for event in events:
@@ -202,7 +205,7 @@ class Engine:
                     self.sinks.pop(event.request, None)
                     self.server.results.pop(event.request, None)  # the tokens went out with the events
                 if deliver is not None:
-                    deliver(event.tokens, event.done)
+                    deliver(event.tokens, event.done, event.logprobs)
 
 
 def error_response(web, status, message, kind="invalid_request_error"):
@@ -217,6 +220,14 @@ def make_app(engine, cfg, tokenizer, model_name):
 
     def finish_reason(tokens, stop):
         return "stop" if tokens and tokens[-1] in stop else "length"
+
+    def logprobs_of(tokens, logprobs, offset):
+        """OpenAI's completion logprobs for these tokens (text offsets from `offset`), or None if not asked for."""
+        if logprobs is None:
+            return None
+        pieces = [text_of([t]) if tokenizer else f"token_id:{t}" for t in tokens]
+        offsets = [offset + sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+        return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
     async def health(request):
         return web.json_response({"status": "ok" if engine.failure is None else engine.failure})
@@ -238,24 +249,26 @@ def make_app(engine, cfg, tokenizer, model_name):
             return error_response(web, 503, f"the engine failed: {engine.failure}", "server_error")
         loop, chunks = asyncio.get_running_loop(), asyncio.Queue()
 
-        def deliver(tokens, done):  # engine thread -> event loop
-            loop.call_soon_threadsafe(chunks.put_nowait, (tokens, done))
+        def deliver(tokens, done, logprobs):  # engine thread -> event loop
+            loop.call_soon_threadsafe(chunks.put_nowait, (tokens, done, logprobs))
         try:
             request_id = await asyncio.wrap_future(engine.submit(kwargs, deliver))
         except UserError as e:
             return error_response(web, 400, str(e))
         name, created, stop = f"cmpl-{request_id}", int(time.time()), set(kwargs["stop"])
         head = {"id": name, "object": "text_completion", "created": created, "model": model_name}
-        finished, tokens = False, []
+        finished, tokens, logprobs = False, [], [] if kwargs["logprobs"] else None
         try:
             if not stream:
                 while not finished:
-                    new, finished = await chunks.get()
+                    new, finished, new_logprobs = await chunks.get()
                     if new is None:
                         return error_response(web, 500, f"the engine failed: {engine.failure}", "server_error")
                     tokens += new
-                choice = {"index": 0, "text": text_of(tokens), "token_ids": tokens, "logprobs": None,
-                          "finish_reason": finish_reason(tokens, stop)}
+                    if logprobs is not None:
+                        logprobs += new_logprobs or []
+                choice = {"index": 0, "text": text_of(tokens), "token_ids": tokens,
+                          "logprobs": logprobs_of(tokens, logprobs, 0), "finish_reason": finish_reason(tokens, stop)}
                 usage = {"prompt_tokens": len(kwargs["prompt"]), "completion_tokens": len(tokens),
                          "total_tokens": len(kwargs["prompt"]) + len(tokens)}
                 return web.json_response({**head, "choices": [choice], "prompt_token_ids": kwargs["prompt"],
@@ -264,13 +277,15 @@ def make_app(engine, cfg, tokenizer, model_name):
             await response.prepare(request)
             sent_text = ""
             while not finished:
-                new, finished = await chunks.get()
+                new, finished, new_logprobs = await chunks.get()
                 if new is None:
                     break
                 tokens += new
                 text = text_of(tokens)  # whole-sequence decoding, so that multi-token characters come out whole
                 delta, sent_text = text[len(sent_text):] if text.startswith(sent_text) else text, text
-                choice = {"index": 0, "text": delta, "token_ids": new, "logprobs": None,
+                choice = {"index": 0, "text": delta, "token_ids": new,
+                          "logprobs": logprobs_of(new, None if logprobs is None else new_logprobs or [],
+                                                  len(sent_text) - len(delta)),
                           "finish_reason": finish_reason(tokens, stop) if finished else None}
                 await response.write(f"data: {json.dumps({**head, 'choices': [choice]})}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
@@ -292,7 +307,7 @@ def serve(args):
         from aiohttp import web
     except ModuleNotFoundError as e:
         raise reference.missing_extra(e, "jax", "python -m jax_impl.http_server") from None
-    from .injected_bugs import server_class  # before batch.py and serving.py are imported: it may mutate them
+    from .injected_bugs import server_class  # before spec_decode, batch and scheduler are imported: it may mutate them
     server_class = server_class(args.inject_bug)
     from . import batch
     matvec.set_mode(args.matvec)

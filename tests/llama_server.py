@@ -1,10 +1,14 @@
 """llama.cpp's llama-server for the tests: built once from the llama.cpp source that the installed llama-cpp-python
 vendors, and started as a real process on a free localhost port.
 
-The build (CMake, Release, GGML_NATIVE=OFF so it runs on any x86-64 CPU like CI's llama-cpp-python build, the one
-target llama-server, two jobs) goes into the user's cache, not the repository: $XDG_CACHE_HOME (default ~/.cache)
-/qwen35-conformance/llama-server-VERSION/, its log beside it in build.log. Delete that folder to rebuild. A file lock
-there makes concurrent test workers build it once. LLAMA_SERVER may name a llama-server binary to use instead.
+The build reuses what llama-cpp-python's own install compiled: its libllama and libggml (copied into the build's
+lib/, the binary's run path) stand in for llama.cpp's src/ and ggml/ targets, so only common, mtmd and the server are
+compiled (CMake, the one target llama-server, two jobs), and at -O0: the model runs in those prebuilt libraries, the
+compiled part is HTTP, JSON and sampling glue. Where the top-level CMakeLists.txt no longer has the lines this
+replaces, the whole of llama.cpp is built instead (Release, GGML_NATIVE=OFF). Either goes into the user's cache, not
+the repository: $XDG_CACHE_HOME (default ~/.cache)/qwen35-conformance/llama-server-VERSION/, its log beside it in
+build.log. Delete that folder to rebuild. A file lock there makes concurrent test workers build it once.
+LLAMA_SERVER may name a llama-server binary to use instead.
 """
 
 import fcntl
@@ -24,6 +28,23 @@ CMAKE_OPTIONS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHA
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
                  # no network at build time: no web UI download, no HTTPS
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
+GLUE_OPTIONS = ["-DCMAKE_C_FLAGS_RELEASE=-O0 -DNDEBUG", "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG"]
+PREBUILT = Path(llama_cpp.__file__).parent / "lib"
+PREBUILT_TARGETS = ("ggml-base", "ggml", "llama")     # each lib<name>.so, linked in this order of dependence
+IMPORTED = """
+# prebuilt (llama-cpp-python's): no ggml or llama target is compiled
+foreach(name {names})
+    add_library(${{name}} SHARED IMPORTED GLOBAL)
+    set_target_properties(${{name}} PROPERTIES IMPORTED_LOCATION "{lib}/lib${{name}}.so")
+endforeach()
+set_target_properties(ggml-base PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${{CMAKE_CURRENT_SOURCE_DIR}}/ggml/include")
+set_target_properties(ggml PROPERTIES INTERFACE_LINK_LIBRARIES ggml-base)
+set_target_properties(llama PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${{CMAKE_CURRENT_SOURCE_DIR}}/include"
+                                       INTERFACE_LINK_LIBRARIES ggml)
+"""
+GGML_SUBDIRECTORY = "if (NOT TARGET ggml AND NOT LLAMA_USE_SYSTEM_GGML)"
+LLAMA_SUBDIRECTORY = "add_subdirectory(src)\n"
+INSTALL_SECTION = "#\n# install\n#"
 
 
 def cache_folder():
@@ -51,11 +72,38 @@ def build(folder):
     source = vendored_folder(folder / "src")
     if not (source / "CMakeLists.txt").is_file():
         source = vendored_llama_cpp(folder / "src")
+    original = source / "CMakeLists.txt.original"          # kept: a build interrupted and rerun patches it again
+    if not original.is_file():
+        original.write_text((source / "CMakeLists.txt").read_text())
+    patched = with_prebuilt_libraries(original.read_text(), folder / "lib")
+    if patched:
+        (folder / "lib").mkdir(exist_ok=True)
+        for library in PREBUILT.glob("lib*.so*"):
+            copy = folder / "lib" / library.name
+            if library.is_symlink():
+                copy.unlink(missing_ok=True)
+                copy.symlink_to(os.readlink(library))
+            else:
+                copy.write_bytes(library.read_bytes())
+    (source / "CMakeLists.txt").write_text(patched or original.read_text())
+    options = CMAKE_OPTIONS + (GLUE_OPTIONS if patched else [])
     with open(folder / "build.log", "w") as log:
-        for command in (["cmake", "-S", str(source), "-B", str(folder / "build"), *CMAKE_OPTIONS],
+        for command in (["cmake", "-S", str(source), "-B", str(folder / "build"), *options],
                         ["cmake", "--build", str(folder / "build"), "--target", "llama-server", "-j", str(JOBS)]):
             if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode:
                 raise RuntimeError(f"building llama-server failed: {' '.join(command)}; see {folder / 'build.log'}")
+
+
+def with_prebuilt_libraries(cmakelists, lib):
+    """llama.cpp's top-level CMakeLists.txt with imported targets for the prebuilt libraries in `lib` in place of its
+    ggml and src subdirectories, and without its install rules (they name the llama target) -> the text, or None
+    where it does not have the lines this replaces (another llama.cpp version: build it whole)."""
+    if not (PREBUILT / "libllama.so").is_file() or any(
+            cmakelists.count(anchor) != 1 for anchor in (GGML_SUBDIRECTORY, LLAMA_SUBDIRECTORY, INSTALL_SECTION)):
+        return None
+    imported = IMPORTED.format(names=" ".join(PREBUILT_TARGETS), lib=lib)
+    return (cmakelists[:cmakelists.index(INSTALL_SECTION)].replace(GGML_SUBDIRECTORY, imported + GGML_SUBDIRECTORY)
+            .replace(LLAMA_SUBDIRECTORY, ""))
 
 
 def server_command(binary, gguf, port, slots, context_per_slot, threads, extra):

@@ -16,19 +16,23 @@ import threading
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
-from conformance import check_server as cs
+from conformance import check_server as cs, reference as R, rules, server_statistics as stats
+from conformance.chisquare import TEST
 from jax_impl.injected_bugs import BUGS, touches_step
 
 MODEL = ROOT / "weights" / "tiny-mtp"   # 8 DeltaNet/attention layers and an MTP head; continues prompts variously
-PINNED = ["--slots", "16", "--max-draft-len", "8", "--step-width", "16", "--all-features"]
+# a prefix cache of about 7 entries (431,716 bytes each here), so that scenarios evict (prefix-cache-eviction)
+PINNED = ["--slots", "16", "--max-draft-len", "8", "--step-width", "16", "--all-features", "--cache-bytes", "3000000"]
 # three host-side bugs in CI (about 45 s each here: a server start and its scenario); the whole catalogue, host and
 # step program: python -m jax_impl.injected_bugs --check (INTERPRETING.md section 11 records it)
-HOST_BUGS = ["slot-reused-with-state", "cache-key-unchecked", "max-tokens-off-by-one"]
+HOST_BUGS = ["slot-reused-with-state", "cache-key-unchecked", "max-tokens-off-by-one", "sampled-temperature-dropped"]
 assert all(not touches_step(BUGS[name]) and not BUGS[name].escapes for name in HOST_BUGS)
-DRAFT_SCENARIOS = "^(speculative-acceptance-mix|shared-prefix-cache|stop-ids)$"
+DRAFT_SCENARIOS = ("^(speculative-acceptance-mix|shared-prefix-cache|stop-ids|stop-in-accepted-drafts|"
+                   "prompts-without-cache)$")
 
 
 class Served:
@@ -111,7 +115,8 @@ def post(url, body):
     ({"prompt": [1, 999]}, "outside the vocabulary"), ({"prompt": [1], "draft": "eagle"}, "draft eagle"),
     ({"prompt": [1], "max_tokens": -1}, "max_tokens"), ({"prompt": [1], "n": 2}, "n: not supported"),
     ({"prompt": [1], "temperature": "hot"}, "temperature"), ({"prompt": [1], "max_tokens": 10**6}, "context"),
-    ({"prompt": [1], "draft_len": 9, "draft": "ngram"}, "draft_len 9"), ({"prompt": [1], "bogus": 1}, "bogus")])
+    ({"prompt": [1], "draft_len": 9, "draft": "ngram"}, "draft_len 9"), ({"prompt": [1], "bogus": 1}, "bogus"),
+    ({"prompt": [1], "logprobs": 2}, "logprobs: not supported")])
 def test_bad_requests_are_4xx_with_a_message(server, body, message):
     status, answer = post(server.url, body)
     assert status == 400 and message in answer["error"]["message"]
@@ -132,8 +137,8 @@ def test_a_host_side_bug_fails_its_scenario(cache_dir, tmp_path, bug):
         served.stop()
     assert code == 1 and BUGS[bug].caught_by in failing(summary)
     first = failing(summary)[BUGS[bug].caught_by][0]
-    assert first["rule"] in ("greedy", "stop", "max_tokens") and {"request", "position", "prefix_tail",
-                                                                    "spec_top", "server_token"} <= set(first)
+    assert first["rule"] in ("greedy", "logprob", "stop", "max_tokens", "distribution") and {
+        "request", "position", "prefix_tail", "spec_top", "server_token"} <= set(first)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -152,3 +157,77 @@ def test_scenario_prompts_follow_the_documented_rule():
     assert cs.lcg_tokens(0, 1, 2**31, set()) == [1442695040888963407 >> 33]
     assert cs.lcg_tokens(0, 1, 7, {(1442695040888963407 >> 33) % 7}) == [((1442695040888963407 >> 33) + 1) % 7]
     assert cs.build_prompt([{"seed": 3, "length": 7, "period": 3}], 272, set())[3:6] == cs.lcg_tokens(3, 3, 272, set())
+
+
+# The statistical check on its own: answers drawn here, with numpy, from the spec's distribution (a correct sampler)
+# and from the usual wrong ones (rules.py), held to the distribution scenarios as check-server holds a server's.
+
+def drawn_answers(scenario, spec, draw_probabilities, seed=0):
+    """The scenario's requests answered by a sampler that draws each token from draw_probabilities(logits,
+    sampling) given its own preceding tokens (the plain loop: what an exact speculative server's tokens follow)."""
+    rng, requests, answers = np.random.default_rng(seed), cs.expand(scenario, spec, 512, None), []
+    for _, r in requests:
+        answer, sampling = cs.Answer(), stats.sampling_of(r)
+        logits, _, state, _ = R.forward(spec.params, spec.cfg, list(r.prompt), R.empty_state(spec.cfg))
+        while len(answer.ids) < r.max_tokens:
+            if answer.ids:
+                logits, _, state, _ = R.forward(spec.params, spec.cfg, answer.ids[-1:], state)
+            answer.ids.append(R.sample(draw_probabilities(logits[-1].astype(np.float64), sampling), rng.random()))
+        answers.append(answer)
+    return requests, answers
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return cs.Spec(MODEL)
+
+
+@pytest.mark.parametrize("scenario_name, rule", [("sampled-first-token", None), ("sampled-first-token",
+                         "temperature-ignored"), ("sampled-first-token", "temperature-last"),
+                         ("sampled-speculative", None), ("sampled-speculative", "temperature-ignored")])
+def test_the_distribution_tests_pass_the_spec_and_fail_a_wrong_rule(spec, scenario_name, rule):
+    scenario = next(s for s in cs.load_scenarios() if s["name"] == scenario_name)
+    scenario = dict(scenario, requests=scenario["requests"][:1])    # one prompt's requests: every test, in seconds
+    draw = R.probabilities if rule is None else rules.RULES[rule].parts.probabilities
+    requests, answers = drawn_answers(scenario, spec, draw)
+    records, failures = stats.check(spec, scenario, requests, answers, cs.RULES["greedy_margin"]["float32"])
+    assert {r["test"] for r in records} == ({"first-token"} if scenario_name == "sampled-first-token" else
+                                            {"first-token", "second-token", "later-tokens"})
+    if rule is None:
+        assert failures == [] and all(r["passed"] for r in records)
+    else:
+        assert failures and failures[0]["rule"] == "distribution" and failures[0]["scenario"] == scenario_name
+
+
+def test_the_first_token_counts_have_the_statistical_packs_power(spec):
+    # python -m conformance.make.server_statistics sized them: power against every wrong rule that changes a draw
+    from conformance.make.server_statistics import groups_of, sizing
+    scenario = next(s for s in cs.load_scenarios() if s["name"] == "sampled-first-token")
+    groups = groups_of(scenario, spec)
+    (count,) = {n for n, _ in groups.values()}
+    df, critical, power = sizing(scenario["name"], groups, count)
+    assert set(power) == {"temperature-ignored", "temperature-last"}
+    assert min(power.values()) >= TEST["power"] and df > 0
+
+
+def test_the_transform_is_uniform_under_the_spec():
+    p = np.array([0.5, 0.0, 0.2, 0.3])      # in order of decreasing p: token 0 [0, .5), 3 [.5, .8), 2 [.8, 1)
+    assert [stats.transform(p, t, 0.5) for t in (0, 3, 2)] == pytest.approx([0.25, 0.65, 0.9])
+    rng = np.random.default_rng(1)
+    u = [stats.transform(p, R.sample(p, rng.random()), rng.random()) for _ in range(20000)]
+    assert np.histogram(u, bins=10, range=(0, 1))[0] == pytest.approx([2000] * 10, rel=0.1)
+
+
+def test_the_logprob_rule_holds_returned_logprobs_to_the_spec(spec):
+    scenario = next(s for s in cs.load_scenarios() if s["name"] == "single-greedy")
+    (_, r), = cs.expand(scenario, spec, 512, None)
+    answer = cs.Answer()
+    answer.ids, answer.finish = spec.greedy_tokens(r.prompt, range(r.max_tokens)), "length"
+    z = spec.logits(list(r.prompt) + answer.ids)[len(r.prompt) - 1:]
+    answer.logprobs = [float(cs.log_softmax(z[j])[t]) for j, t in enumerate(answer.ids)]
+    dialect, margin = cs.DIALECTS["jax_impl"], cs.RULES["greedy_margin"]["float32"]
+    atol = cs.RULES["logprob_atol"]["float32"]
+    assert cs.check_answer(spec, scenario, 0, r, answer, dialect, margin, atol) is None
+    answer.logprobs[5] -= 2 * atol
+    failed = cs.check_answer(spec, scenario, 0, r, answer, dialect, margin, atol)
+    assert (failed["rule"], failed["position"]) == ("logprob", 5)

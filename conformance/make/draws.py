@@ -14,6 +14,7 @@ import numpy as np
 from .. import diagnosis
 from .. import reference as R
 from .. import rules
+from .. import chisquare
 from ..chisquare import TEST, bin_totals, group_bins, pooled_bins
 from ..format import Case, Output
 from .golden import CANDIDATES, rng_for
@@ -27,12 +28,7 @@ SIMULATIONS, CHUNK = 400_000, 50_000   # simulated correct engines that set a ca
 def critical_value(P, bins, n, groups, rng):
     """The statistic a correct engine exceeds with tolerances.json's false-alarm rate, from SIMULATIONS simulated
     correct engines (the chi-square distribution's own quantile errs up to 3x in so far a tail at these counts)."""
-    statistics = np.zeros(SIMULATIONS)
-    for p in group_bins(P, bins, groups):
-        for start in range(0, SIMULATIONS, CHUNK):
-            counts = rng.multinomial(n, p / p.sum(), size=min(CHUNK, SIMULATIONS - start))
-            statistics[start:start + len(counts)] += ((counts - n * p) ** 2 / (n * p)).sum(axis=1)
-    return float(np.quantile(statistics, 1 - TEST["alpha"], method="higher"))
+    return chisquare.critical_value(group_bins(P, bins, groups), [n] * len(groups), rng, SIMULATIONS, CHUNK)
 
 
 def detection(P0, P1, bins, n, groups, df, critical):

@@ -32,9 +32,9 @@ import jax
 import numpy as np
 
 from . import batch, reference
-from .batch import DECODE, DONE, DRAFTERS, MAX_STOP_IDS, PAUSED, PREFILL
+from .batch import DECODE, DONE, MAX_STOP_IDS, PAUSED, PREFILL
 from .sharding import fetch
-from .spec_decode import check_settings, compiled, round_draft_len, round_up
+from .spec_decode import DRAFTER_NAMES, check_settings, compiled, round_draft_len, round_up
 
 MAX_DRAFT_LEN, Sampling, UserError = reference.MAX_DRAFT_LEN, reference.Sampling, reference.UserError
 
@@ -55,12 +55,14 @@ class Request(NamedTuple):
     draft_len: int = 4
     stop: tuple = None            # stop ids; None: the checkpoint's EOS ids
     cache_prompt: bool = False    # leave a prefix-cache entry of this prompt
+    logprobs: bool = False        # report each token's log-probability (Event.logprobs)
 
 
 class Event(NamedTuple):
     request: int                  # the id submit returned
     tokens: list                  # tokens committed since the last event of this request
     done: bool
+    logprobs: list = None         # the tokens' log-probabilities under the target's raw logits, where asked for
 
 
 class Entry(NamedTuple):
@@ -72,7 +74,7 @@ class Entry(NamedTuple):
     nbytes: int
 
 
-class Live(NamedTuple):
+class Running(NamedTuple):
     """A request in a slot, as the host follows it."""
     id: int
     request: Request
@@ -145,10 +147,10 @@ class Server:
     # The API
 
     def submit(self, prompt, max_new_tokens=64, sampling=Sampling(), seed=0, draft="none", draft_len=4, stop=None,
-               cache_prompt=False):
+               cache_prompt=False, logprobs=False):
         """Queue a request -> its id. Checked here: a bad request raises reference.UserError and is not queued."""
         r = Request(tuple(int(t) for t in prompt), max_new_tokens, sampling, seed, draft, draft_len,
-                    None if stop is None else tuple(stop), cache_prompt)
+                    None if stop is None else tuple(stop), cache_prompt, logprobs)
         limit = check_request(self.cfg, self.params, r)
         if len(r.prompt) + limit > self.context:
             raise UserError(f"the prompt ({len(r.prompt)} tokens) and {limit} new tokens exceed the server's context "
@@ -193,7 +195,8 @@ class Server:
         T = self.step_width or (batch.prefill_width(max(chunk, K + 1)) if prefilling else K + 1)
         features = self.features or features_of([self.live[i].request for i in working])
         statics = dict(T=T, K=K, strategy=self.rollback, features=features,
-                       prefill=bool(prefilling) and not self.step_width, mesh=self.mesh)
+                       prefill=bool(prefilling) and not self.step_width,
+                       prefills=bool(prefilling) or self.step_width is not None, mesh=self.mesh)
         if self.mesh is not None:  # slot bookkeeping (admit, resume) may have moved some leaves: back in place
             self.slots = jax.device_put(self.slots, batch.slot_shardings(self.mesh, self.slots))
         run_steps, fresh = compiled(batch.run_steps, (1,), self.cfg, statics, self.params, self.slots,
@@ -243,14 +246,14 @@ class Server:
             settings = batch.Settings(
                 np.float32(r.sampling.temperature), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),
                 np.float32(r.sampling.top_p),
-                np.int32(DRAFTERS.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),
+                np.int32(DRAFTER_NAMES.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),
                 np.array(list(stop) + [-1] * (MAX_STOP_IDS - len(stop)), np.int32))
             prompt = np.zeros(self.capacity, np.int32)
             prompt[:len(r.prompt)] = r.prompt
             cache_point = len(r.prompt) - 1 if r.cache_prompt and len(r.prompt) > 1 else len(r.prompt)
             self.slots = admit_slot(self.slots, np.int32(index), prompt, settings, np.uint32(r.seed),
                                     np.int32(cache_point), None if entry is None else entry.row)
-            self.live[index] = Live(request_id, r, limit, K, 0, time.perf_counter())
+            self.live[index] = Running(request_id, r, limit, K, 0, time.perf_counter())
 
     def lookup(self, r):
         """The longest cached prompt that begins r.prompt (and, for an MTP request, carries the head's state)."""
@@ -267,6 +270,7 @@ class Server:
     def collect(self):
         """Read the slots back: report new tokens, finish DONE requests, snapshot PAUSED ones -> [Event]."""
         phase, ntok, buf = (fetch(x) for x in (self.slots.phase, self.slots.ntok, self.slots.buf))
+        logprob = fetch(self.slots.logprob) if any(live and live.request.logprobs for live in self.live) else None
         events, self.finished = self.finished, []
         for index, live in enumerate(self.live):
             if live is None:
@@ -277,6 +281,8 @@ class Server:
             done = phase[index] == DONE
             if new or done:
                 events.append(Event(live.id, new, bool(done)))
+                if live.request.logprobs:
+                    events[-1] = events[-1]._replace(logprobs=logprob[index, P + live.emitted:P + generated].tolist())
                 self.live[index] = live = live._replace(emitted=generated)
             if done:
                 tokens = buf[index, P:P + generated].tolist()
