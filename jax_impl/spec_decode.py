@@ -606,7 +606,7 @@ def round_up(n, multiple):
 
 def buffer_sizes(prompt_len, limit, K):
     """(padded prompt length, token buffer = KV capacity). The buffer has room for a last round's K+1 tokens and
-    the MTP chain's K slots past the committed length, so no write is ever clamped."""
+    the MTP chain's K positions past the committed length, so no write is ever clamped."""
     P = round_up(prompt_len, 16)
     return P, round_up(P + limit + 2 * (K + 1), 64)
 

@@ -43,7 +43,7 @@ def attention_layer(i, attrs, weights):
     room = jnp.zeros((len(i["x"]), *i["state.k"].shape[1:]), i["state.k"].dtype)
     cache = R.AttnState(jnp.concatenate([i["state.k"], room]), jnp.concatenate([i["state.v"], room]))
     y, cache = attention(i["x"], jax_impl.kv_from_reference(cache), i["positions"], cfg, **weights["self_attn"])
-    cache = jax_impl.kv_to_reference(cache, cache.k.shape[1])  # every slot, the room included
+    cache = jax_impl.kv_to_reference(cache, cache.k.shape[1])  # every position, the room included
     return {"y": y, "state.k": cache.k, "state.v": cache.v}
 
 
@@ -82,7 +82,7 @@ def host(x):
 
 @register_engine("jax")
 class Jax(Engine):
-    features = frozenset(FEATURES) - set(FEATURE_GROUPS["trees"])      # no tree verify in jax_impl yet
+    features = frozenset(FEATURES) - set(FEATURE_GROUPS["trees"]) - {"dflash"}   # no tree verify, no DFlash drafter in jax_impl yet
     dtype = "float32"                 # of weights and activations (jax_impl.weights.DTYPES)
 
     def load(self, checkpoint_dir):

@@ -74,7 +74,7 @@ class Entry(NamedTuple):
     nbytes: int
 
 
-class Live(NamedTuple):
+class Running(NamedTuple):
     """A request in a slot, as the host follows it."""
     id: int
     request: Request
@@ -255,7 +255,7 @@ class Server:
             cache_point = len(r.prompt) - 1 if r.cache_prompt and len(r.prompt) > 1 else len(r.prompt)
             self.slots = admit_slot(self.slots, np.int32(index), prompt, settings, np.uint32(r.seed),
                                     np.int32(cache_point), None if entry is None else entry.row)
-            self.live[index] = Live(request_id, r, limit, K, 0, time.perf_counter())
+            self.live[index] = Running(request_id, r, limit, K, 0, time.perf_counter())
 
     def lookup(self, r):
         """The longest cached prompt that begins r.prompt (and, for an MTP request, carries the head's state)."""
