@@ -620,6 +620,9 @@ def run(args, argv):
     command = ("OPENBLAS_NUM_THREADS=1 python -m bench.drafter_lab " + " ".join(argv)).strip()
     if args.jax_only:
         results = json.loads((args.out / "drafter_lab.json").read_text())
+        results["verify_ratios"] = {int(K): r for K, r in results["verify_ratios"].items()}   # JSON's keys: text
+        for row in results["rows"].values():
+            row["speculation"] = {int(K): figures for K, figures in row["speculation"].items()}
         prompts = prompts_of(held_out, tokenizer, results["prompts"], results["prompt_tokens"])
         specs = [spec.replace("mtp-shortlist:", f"mtp-shortlist:{ROOT}/") if spec.startswith("mtp-shortlist:")
                  else spec for spec in results["rows"]]
