@@ -288,15 +288,21 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     v = (x @ v_proj.T).reshape(T, Hkv, Dh)                        # (T, Hkv, Dh)
     q, k = rope(q, positions, cfg.rope_theta, cfg.rotary_dim), rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
     keys, values = np.concatenate([state.k, k]), np.concatenate([state.v, v])   # (S, Hkv, Dh)
-    q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
-    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
     if parents is None:
         visible = np.arange(len(keys))[None, :] <= positions[:, None]           # (T, S) causal
     else:                                                                       # the prefix and own ancestors
         visible = np.concatenate([np.ones((T, len(state.k)), bool), ancestor_mask(parents)], axis=1)
-    weights = softmax(np.where(visible, scores, -np.inf))
-    out = np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq * Dh)      # (T, Hq*Dh)
+    out = gqa_attention(q, keys, values, visible).reshape(T, Hq * Dh)           # (T, Hq*Dh)
     return (out * sigmoid(gate)) @ o_proj.T, AttnState(keys, values)
+
+
+def gqa_attention(q, keys, values, visible):  # (T, Hq, Dh), (S, Hkv, Dh) x2, (T, S) bool -> (T, Hq, Dh)
+    """Softmax attention scaled by Dh^-0.5; query head h reads key/value head h // (Hq / Hkv)."""
+    (T, Hq, Dh), Hkv = q.shape, keys.shape[1]
+    q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
+    scores = np.einsum("tkgd,skd->kgts", q, keys) * np.float32(Dh ** -0.5)      # (Hkv, G, T, S)
+    weights = softmax(np.where(visible, scores, -np.inf))
+    return np.einsum("kgts,skd->tkgd", weights, values).reshape(T, Hq, Dh)
 
 
 def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
@@ -305,10 +311,7 @@ def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
 
 def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T, D) -> (T, D)
     """Softmax router over E experts, top-k renormalised, plus a shared expert behind a sigmoid gate."""
-    probs = softmax(x @ gate.T)                                              # (T, E)
-    top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]   # (T, k)
-    top_weights = np.take_along_axis(probs, top, axis=-1)
-    top_weights /= top_weights.sum(axis=-1, keepdims=True)                    # (T, k)
+    top, top_weights = route(x @ gate.T, cfg.num_experts_per_tok)            # (T, k) x2
     out = np.zeros_like(x)
     F = experts["down_proj"].shape[-1]       # moe_intermediate_size (a partial-MLP drafter keeps fewer)
     for e in np.unique(top):
@@ -317,6 +320,14 @@ def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T,
         y = (silu(gate_up[:, :F]) * gate_up[:, F:]) @ experts["down_proj"][e].T
         out[rows] += top_weights[rows, slot, None] * y
     return out + sigmoid(x @ shared_expert_gate.T) * mlp(x, **shared_expert)
+
+
+def route(logits, k):  # (T, E) router logits -> expert ids (T, k), their weights (T, k)
+    """Softmax over all experts, the k most probable (ties: the lower expert id first), weights renormalised."""
+    probs = softmax(logits)                                                  # (T, E)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]                  # (T, k)
+    top_weights = np.take_along_axis(probs, top, axis=-1)
+    return top, top_weights / top_weights.sum(axis=-1, keepdims=True)
 
 
 def token_mixer(x, kind, layer, state, positions, cfg, parents=None):  # (T, D) -> (T, D) update, layer state, Tape
@@ -407,8 +418,7 @@ def sample(p, u):  # (V,), uniform in [0, 1) -> token id
 #   replay:       keep the tape (delta, k, g, qkv) of the verify pass; on a partial accept, start again from the
 #                 pre-verify state and apply only rank-1 updates S <- alpha S + k delta^T for the kept steps
 #                 (dflash-mlx). No q, no outputs, no model forward. Full acceptance needs no replay.
-
-ROLLBACK_STRATEGIES = ("per-position", "replay")
+# ROLLBACK (below) is the table of strategies: what verify keeps, how commit rebuilds (TREE_ROLLBACK: over a tree).
 
 
 def delta_states(S0, tape):  # (Hv, Dk, Dv), Tape of T steps -> (T, Hv, Dk, Dv)
@@ -471,6 +481,18 @@ def commit_replay(before, after, tapes, n):
     return State(layers, before.length + n)
 
 
+class Rollback(NamedTuple):
+    """A rollback strategy: what a verify pass keeps (from the state before it and its tapes), and how commit
+    rebuilds the state after the kept positions from that."""
+    keep: Callable       # (before, tapes) -> per layer what is kept (None for attention layers)
+    commit: Callable     # (before, after, kept, n) -> State
+
+
+ROLLBACK = {"per-position": Rollback(keep_per_position, commit_per_position),
+            "replay": Rollback(lambda before, tapes: tapes, commit_replay)}
+ROLLBACK_STRATEGIES = tuple(ROLLBACK)
+
+
 class Verified(NamedTuple):
     """A verify pass waiting for its commit: the states around it and what its rollback strategy kept."""
     before: State
@@ -483,13 +505,11 @@ def verify(params, cfg, state, tokens, rollback, taps=None):  # (K+1,) -> logits
     """One target pass over [last committed token, K drafts], keeping what `rollback` needs to commit any prefix.
     hidden: forward's, (K+1, D) or with taps the tapped layers' outputs (K+1, len(taps) D)."""
     logits, hidden, after, tapes = forward(params, cfg, tokens, state, taps)
-    kept = keep_per_position(state, tapes) if rollback == "per-position" else tapes
-    return logits, hidden, Verified(state, after, kept, rollback)
+    return logits, hidden, Verified(state, after, ROLLBACK[rollback].keep(state, tapes), rollback)
 
 
 def commit(verified, n):  # Verified, 1 <= n <= K+1 -> State after the first n verified positions
-    strategy = commit_per_position if verified.rollback == "per-position" else commit_replay
-    return strategy(verified.before, verified.after, verified.kept, n)
+    return ROLLBACK[verified.rollback].commit(verified.before, verified.after, verified.kept, n)
 
 
 def accept_greedy(draft, logits):  # (K,), (K+1, V) -> (accepted drafts, next token)
@@ -749,26 +769,38 @@ def keep_per_node(before, tapes, parents):
             for layer, tape in zip(before.layers, tapes)]
 
 
+def commit_path_per_position(before, kept, path):  # a DeltaNet layer: the last accepted node's kept state
+    return DeltaState(kept.conv[path[-1]], kept.S[path[-1]])    # index by the node, not by the path length
+
+
+def commit_path_replay(before, tape, path):  # a DeltaNet layer: the path's tape rows replayed from before
+    tape, n = Tape(*(x[path] for x in tape)), len(path)
+    return DeltaState(conv_window(before.conv, tape.qkv, n), replay(before.S, tape, n))
+
+
+# ROLLBACK's strategies over a tree: keep (before, tapes, parents) -> kept; commit (a DeltaNet layer's state before,
+# what was kept for it, the accepted path) -> its DeltaState after the path
+TREE_ROLLBACK = {"per-position": Rollback(keep_per_node, commit_path_per_position),
+                 "replay": Rollback(lambda before, tapes, parents: tapes, commit_path_replay)}
+
+
 def verify_tree(params, cfg, state, tokens, parents, rollback):  # (N,), (N,) -> logits (N, V), hidden, VerifiedTree
     logits, hidden, after, tapes = tree_forward(params, cfg, tokens, parents, state)
-    kept = keep_per_node(state, tapes, parents) if rollback == "per-position" else tapes
+    kept = TREE_ROLLBACK[rollback].keep(state, tapes, parents)
     return logits, hidden, VerifiedTree(state, after, kept, rollback, list(parents))
 
 
 def commit_tree(verified, path):  # VerifiedTree, accepted path [0, ..., L] -> State after consuming the path
-    """Keep the path: attention keeps the prefix and the path's KV rows; a DeltaNet layer takes the last accepted
-    node's kept state (per-position; index by the node, not by the path length) or replays the path's tape rows."""
+    """Keep the path: attention keeps the prefix and the path's KV rows; a DeltaNet layer is rebuilt by the
+    strategy (TREE_ROLLBACK) from what verify kept."""
     before, n = verified.before, len(path)
     rows, layers = before.length + np.asarray(path), []
     for b, a, kept in zip(before.layers, verified.after.layers, verified.kept):
         if kept is None:
             layers.append(AttnState(np.concatenate([a.k[:before.length], a.k[rows]]),
                                     np.concatenate([a.v[:before.length], a.v[rows]])))
-        elif verified.rollback == "per-position":
-            layers.append(DeltaState(kept.conv[path[-1]], kept.S[path[-1]]))
         else:
-            tape = Tape(*(x[path] for x in kept))
-            layers.append(DeltaState(conv_window(b.conv, tape.qkv, n), replay(b.S, tape, n)))
+            layers.append(TREE_ROLLBACK[verified.rollback].commit(b, kept, path))
     return State(tuple(layers), before.length + n)
 
 

@@ -272,6 +272,34 @@ def speculation(params, cfg, drafters, prompts, new_tokens, prefill_s, ks=KS, se
     return out
 
 
+def jax_speedups(params, cfg, rows, prompts, new_tokens, repeats, seed=0, on_progress=lambda m: None):
+    """jax_impl's measured speedup for each row whose drafter it runs on device (jax_impl.DRAFTERS), at the K
+    reference.py's speculation found best: its on-device loop's decode seconds per generated token, exact
+    speculative sampling at T = 1, over plain sampling of the same prompts, each run interleaved with the others
+    (after one compiling run each) -> {spec: speedup}."""
+    import jax_impl
+    jparams = jax_impl.to_jax(params)
+    ported = [spec for spec in rows if spec.partition(":")[0] in jax_impl.DRAFTERS]
+    runs = [("none", 0)] + [(spec, int(best_k(rows[spec]))) for spec in ported]
+    sampling = R.Sampling(1.0)
+
+    def run(spec, K, n):  # -> (decode seconds, tokens after the first)
+        tokens, stats = jax_impl.generate(jparams, cfg, prompts[n], new_tokens, sampling, seed + n, spec, K)
+        return stats["seconds"]["decode"], len(tokens) - 1
+    for spec, K in runs:
+        run(spec, K, 0)
+    on_progress(f"  jax_impl: {len(runs)} loops compiled")
+    totals = {run_: [0.0, 0] for run_ in runs}
+    for _ in range(repeats):
+        for n in range(len(prompts)):
+            for run_ in runs:
+                seconds, tokens = run(*run_, n)
+                totals[run_][0] += seconds
+                totals[run_][1] += tokens
+    plain = totals["none", 0][0] / totals["none", 0][1]
+    return {spec: plain / (totals[spec, K][0] / totals[spec, K][1]) for spec, K in runs[1:]}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Break-even: the acceptance a drafter of a given cost needs
 
@@ -380,11 +408,20 @@ def lab(params, cfg, prompts, discovery, shortlists, new_tokens, positions, repe
     for spec, d in zip(specs, drafters):
         row = rows[shown(spec)]
         row["speculation"] = spec_figures[d.name]
-        row["jax_impl_speedup"] = None          # not ported yet: the jax_impl column's place
         row["predicted_h200"] = predicted_speedup(row["speculation"], row["mac_share"], datasheet_cycle_share(M.H200))
+    log("jax_impl: the ported drafters at their best K, plain sampling interleaved ...")
+    jax_column(params, cfg, rows, specs, prompts, new_tokens, repeats)
     return {"model": "weights/default", "prompts": len(prompts), "prompt_tokens": len(prompts[0]),
             "new_tokens": new_tokens, "positions": positions, "block_scan": scan, "decode_ms": decode_s * 1e3,
             "verify_ratios": ratios, "rows": rows}
+
+
+def jax_column(params, cfg, rows, specs, prompts, new_tokens, repeats):
+    """Each row's jax_impl_speedup (None: a drafter jax_impl does not run)."""
+    measured = jax_speedups(params, cfg, {spec: rows[shown(spec)] for spec in specs}, prompts, new_tokens,
+                            max(1, repeats // 5), on_progress=log)
+    for spec in specs:
+        rows[shown(spec)]["jax_impl_speedup"] = measured.get(spec)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -429,6 +466,10 @@ def gap_table(results):
     return "\n".join(lines)
 
 
+def jax_note(results):
+    return f" (measured apart: `{results['jax_command']}`)" if results.get("jax_command") else ""
+
+
 def report(results, command):
     scan = ", ".join(f"{i}: {js:.3f}" for i, js in results["block_scan"].items())
     ratios = ", ".join(f"K={K}: {r:.2f}" for K, r in results["verify_ratios"].items())
@@ -444,7 +485,9 @@ sampling at T = 1 over {results['new_tokens']} new tokens per prompt, plain samp
 
 {table(results)}
 
-Speedup: measured here, reference.py against plain sampling, CPU seconds per token. H200 / M4 Max predicted: the
+Speedup: measured here, reference.py against plain sampling, CPU seconds per token. jax_impl speedup: its on-device
+loop at the same K against its own plain sampling, decode seconds per token, runs interleaved{jax_note(results)}.
+H200 / M4 Max predicted: the
 measured tokens per target call with each draft token costing its MAC share of a decode step and a verify costing
 what the cost model says for Qwen3.5-4B (bf16, 4K context, replay; the two machines give the same ratios, both
 bound by weight bytes at batch 1); it assumes a kernel as fast per multiply-add for the cut network as for the whole.
@@ -542,6 +585,9 @@ def parse_args(argv):
                     help="where drafter_lab.md, drafter_lab.json and the shortlist files go")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "drafter_lab.png")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--jax-only", action="store_true",
+                    help="measure only the jax_impl column, into --out's drafter_lab.json and .md (the other columns "
+                         "as they were measured)")
     args = ap.parse_args(argv)
     for flag, value in (("--prompts", args.prompts), ("--prompt-len", args.prompt_len),
                         ("--new-tokens", args.new_tokens), ("--positions", args.positions), ("--repeats", args.repeats)):
@@ -567,9 +613,17 @@ def run(args, argv):
     discovery = prompts_of(train, tokenizer, max(4, args.prompts // 2), args.prompt_len)
     args.out.mkdir(parents=True, exist_ok=True)
     shortlists = write_shortlists(params, cfg, tokenizer, train, args.shortlists, args.out)
-    results = lab(params, cfg, prompts, discovery, shortlists, args.new_tokens, args.positions, args.repeats)
-    command = "OPENBLAS_NUM_THREADS=1 python -m bench.drafter_lab " + " ".join(argv)
-    results["command"], results["seconds"] = command.strip(), time.perf_counter() - started
+    command = ("OPENBLAS_NUM_THREADS=1 python -m bench.drafter_lab " + " ".join(argv)).strip()
+    if args.jax_only:
+        results = json.loads((args.out / "drafter_lab.json").read_text())
+        prompts = prompts_of(held_out, tokenizer, results["prompts"], results["prompt_tokens"])
+        specs = [spec.replace("mtp-shortlist:", f"mtp-shortlist:{ROOT}/") if spec.startswith("mtp-shortlist:")
+                 else spec for spec in results["rows"]]
+        jax_column(params, cfg, results["rows"], specs, prompts, results["new_tokens"], args.repeats)
+        results["jax_command"] = command
+    else:
+        results = lab(params, cfg, prompts, discovery, shortlists, args.new_tokens, args.positions, args.repeats)
+        results["command"], results["seconds"] = command, time.perf_counter() - started
     text = report(results, results["command"])
     print(text)
     (args.out / "drafter_lab.md").write_text(text)

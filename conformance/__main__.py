@@ -1,11 +1,11 @@
-"""Command line: list, run, sample, serve, check-server, where, generate, checkpoint, kernels (see conformance/__init__.py)."""
+"""Command line: list, run, sample, serve, check-server, where, generate, checkpoint, shaped, kernels (see conformance/__init__.py)."""
 
 import argparse
 import re
 import sys
 from pathlib import Path
 
-from . import KIT, published, reference as R
+from . import KIT, published, reference as R, shaped
 from .runner import OUT_DIR
 from .engines import EngineError, known_engines
 from .format import CASES_DIR, HERE, ROOT, SUITE_VERSION, GoldenError, case_dirs, read_manifest
@@ -84,6 +84,9 @@ def parse_args(argv):
     ckpt = sub.add_parser("checkpoint", help="write a random checkpoint with a published model's exact layer "
                           "geometry at reduced depth (conformance/published.py)")
     published.add_arguments(ckpt)
+    shaped_parser = sub.add_parser("shaped", help="model-level goldens on a production-shaped checkpoint, generated "
+                                   "here from a recipe and checked against stored digests (conformance/shaped.py)")
+    shaped.add_arguments(shaped_parser)
     kern = sub.add_parser("kernels", help="the kernel pack: op-level cases at the published layer geometry against "
                           "an engine's kernel ops (conformance/kernels.py)")
     kern.add_argument("--engine", required=True, help="numpy, numpy:HVK, jax, transformers, or package.module:Class "
@@ -152,12 +155,21 @@ def main(argv=None):
             return make_cases(args)
         if args.command == "checkpoint":
             return published.checkpoint_command(args)
+        if args.command == "shaped":
+            return shaped.shaped_command(args)
         if args.command == "kernels":
-            from .kernels import kernel_engine, run_pack
-            results = run_pack(kernel_engine(args.engine), args.cases, args.dtype)
+            from .kernels import SHIPPED_ENGINES, kernel_engine, run_pack, weigh
+            engine = kernel_engine(args.engine)
+            results = run_pack(engine, args.cases, args.dtype)
             counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
-            print(", ".join(f"{n} {s}" for s, n in counts.items()))
-            return 1 if counts["FAIL"] else 0
+            weighed = weigh(engine.name if args.engine in SHIPPED_ENGINES else None, results, args.dtype)
+            known = [r for r, want in weighed if r.status == want == "FAIL"]
+            surprises = [(r, want) for r, want in weighed if r.status != want and "SKIP" not in (r.status, want)]
+            for r, want in surprises:
+                print(f"{r.case}: {r.status}, but expectations/kernels.json records {want}")
+            print(", ".join(f"{n} {s}" for s, n in counts.items())
+                  + (f" ({len(known)} failures as recorded in expectations/kernels.json)" if known else ""))
+            return 1 if surprises else 0
         if args.command == "check-server":
             from .check_server import ServerError, check_server
             try:

@@ -80,6 +80,7 @@ FEATURES = {
     # checkpoint properties beyond the default model
     "moe": "qwen3_5_moe: every FFN is a routed MoE",
     "untied_embeddings": "lm_head.weight separate from embed_tokens",
+    "gva_ratio_1": "as many DeltaNet value heads as key heads (Qwen3.5-0.8B's geometry: the shaped goldens)",
     "gva_ratio_3": "3 DeltaNet value heads per key head",
     "unequal_head_dims": "DeltaNet key and value head dims differ",
     "conv_kernel_3": "linear_conv_kernel_dim = 3",
@@ -101,7 +102,7 @@ FEATURE_GROUPS = {
     "serving": ("trace", "snapshot"),
     "trees": ("tree", "accept:tree-sampling", "accept:tree-draws"),
     "statistical_pack": ("draws", "accept:draws"),
-    "checkpoint_layouts": ("moe", "untied_embeddings", "gva_ratio_3", "unequal_head_dims", "conv_kernel_3",
+    "checkpoint_layouts": ("moe", "untied_embeddings", "gva_ratio_1", "gva_ratio_3", "unequal_head_dims", "conv_kernel_3",
                            "partial_rotary_0.5", "multimodal_layout", "per_expert_weights", "mtp_weights"),
 }
 

@@ -153,18 +153,20 @@ class Text(Dialect):
 class LlamaServer(Dialect):
     """llama.cpp's llama-server, its native POST /completion: the prompt as an array of ids (no BOS added to one),
     the generated ids in `tokens` (return_tokens), stop_type eos / word -> "stop", limit -> "length". Its sampler
-    chain is fixed to top-k, top-p, temperature (min_p 0: the server's default 0.05 would cut the distribution); top_k
-    0 is off in llama.cpp as here. Its API has no stop token ids (only stop strings): a request's stop ids are not
-    sent, so only EOS ends a completion early. Drafting is the server's --spec-type; prompt caching is cache_prompt."""
+    chain is named in the spec's order, temperature, top-k, top-p (llama.cpp's default puts the temperature last:
+    with it sampled-first-token fails the distribution rule, one token drawn 100 times of 100 where the spec expects
+    62); min_p 0: the server's default 0.05 would cut the distribution; top_k 0 is off in llama.cpp as here. Its API
+    has no stop token ids (only stop strings): a request's stop ids are not sent, so only EOS ends a completion
+    early. Drafting is the server's --spec-type; prompt caching is cache_prompt (on unless the request says)."""
     name = "llama-server"
     path = "/completion"
     n_probs = 0
 
     def body(self, r, model):
         return {"prompt": list(r.prompt), "n_predict": r.max_tokens, "stream": r.stream, "return_tokens": True,
-                "cache_prompt": True, "n_probs": self.n_probs, "ignore_eos": r.ignore_eos,
+                "cache_prompt": r.cache_prompt is not False, "n_probs": self.n_probs, "ignore_eos": r.ignore_eos,
                 "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p, "min_p": 0.0, "seed": r.seed,
-                "samplers": ["top_k", "top_p", "temperature"]}
+                "samplers": ["temperature", "top_k", "top_p"]}
 
     def chunk(self, payload):
         finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(payload.get("stop_type")) \

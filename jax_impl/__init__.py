@@ -10,6 +10,13 @@ Engine verbs (the conformance adapter's): load; empty_state(cfg, capacity); pref
 verify(params, cfg, tokens, state, strategy) -> logits, hidden, state after all, kept states or tapes;
 commit(strategy, before, after, kept, n) -> the state after the first n verified positions (rollback.py).
 
+For an engine adapter driving the pieces (conformance/engines/jax.py): draw(logits, sampling, key), the acceptance
+rules accept_greedy / accept_speculative, the MTP drafter's mtp_update / mtp_step (its state after new pairs, one
+step of its chain); the batched step with caller-given rows, explicit_step(params, cfg, slots' state, Rows, T=, K=,
+strategy=) (tokens, drafts, q, uniforms and commit rules given; nothing drafted or drawn), with read_slot /
+write_slot, draft_bucket, PREFILL_WIDTHS and MAX_STOP_IDS; compiled(fn, donate, cfg, statics, *args), the
+ahead-of-time compilation cache the generate loop and the server use.
+
 JAX is the `jax` extra. The verbs are imported from their modules on first use, so that importing this package
 needs no JAX and `python -m jax_impl` can say in one line that it is missing.
 """
@@ -24,6 +31,7 @@ else:
     from .. import reference
 
 EXPORTS = {
+    "batch": ("MAX_STOP_IDS", "PREFILL_WIDTHS", "Rows", "draft_bucket", "explicit_step", "read_slot", "write_slot"),
     "gated_delta": ("gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step"),
     "model": ("commit", "decode", "empty_kv", "empty_state", "forward", "forward_hidden", "kv_from_reference",
               "kv_to_reference", "lm_head", "prefill", "verify"),
@@ -31,8 +39,9 @@ EXPORTS = {
                  "keep_per_position", "replay"),
     "serving": ("Server",),
     "sharding": ("initialize_distributed", "make_mesh"),
-    "spec_decode": ("accept_greedy", "accept_speculative", "generate", "generate_device", "mtp_hidden",
-                    "probabilities", "prompt_lookup", "sample"),
+    "spec_decode": ("DRAFTERS", "accept_greedy", "accept_speculative", "compiled", "draw", "generate",
+                    "generate_device", "mtp_hidden", "mtp_step", "mtp_update", "probabilities", "prompt_lookup",
+                    "request_step", "sample"),
     "weights": ("load", "to_jax"),
 }
 MODULE_OF = {name: module for module, names in EXPORTS.items() for name in names}

@@ -20,7 +20,7 @@ class Bug(NamedTuple):
     name: str
     does: str              # what the server then gets wrong
     mirrors: str           # the published bug it stands for ("" where there is none to cite)
-    module: str            # batch, serving or spec_decode
+    module: str            # spec_decode (a request's step, sampling, acceptance), batch or serving
     original: str          # a line of the module, without its indentation: it must occur exactly once
     replacement: str
     caught_by: str         # a scenario that catches it (the test runs this one)
@@ -30,52 +30,53 @@ class Bug(NamedTuple):
 CATALOGUE = (
     Bug("slot-reused-with-state", "a new request takes a freed slot with the previous request's DeltaNet and KV "
         "state (only the position reset)", "ik_llama.cpp#1696", "batch",
-        "source = row._replace(state=zero(row.state), mtp=zero(row.mtp)) if restored is None else restored",
+        "source = row._replace(state=zero(row.state), drafts=zero(row.drafts)) if restored is None else restored",
         "source = row._replace(state=row.state._replace(length=jnp.zeros_like(row.state.length))) "
         "if restored is None else restored", "concurrency-64"),
     Bug("cache-restore-drops-conv-window", "a prefix-cache entry restores the DeltaNet recurrent state but not its "
         "convolution window (zeros)", "vllm#53912", "batch",
-        "source = row._replace(state=zero(row.state), mtp=zero(row.mtp)) if restored is None else restored",
-        "source = row._replace(state=zero(row.state), mtp=zero(row.mtp)) if restored is None else restored._replace("
+        "source = row._replace(state=zero(row.state), drafts=zero(row.drafts)) if restored is None else restored",
+        "source = row._replace(state=zero(row.state), drafts=zero(row.drafts)) if restored is None else restored._replace("
         "state=restored.state._replace(layers=tuple(x._replace(conv=0 * x.conv) if hasattr(x, 'conv') else x "
         "for x in restored.state.layers)))", "shared-prefix-cache"),
     Bug("cache-restore-position-off-by-one", "a restored request continues its prefill one position past the "
         "entry's, skipping a prompt token", "vllm#43559", "batch",
-        "row = row._replace(state=source.state, mtp=source.mtp, buf=prompt, ntok=settings.prompt_len,",
+        "row = row._replace(state=source.state, drafts=source.drafts, buf=prompt, ntok=settings.prompt_len,",
         "row = row._replace(state=source.state._replace(length=source.state.length + (restored is not None)), "
-        "mtp=source.mtp, buf=prompt, ntok=settings.prompt_len,", "shared-prefix-cache"),
+        "drafts=source.drafts, buf=prompt, ntok=settings.prompt_len,", "shared-prefix-cache"),
     Bug("cache-key-unchecked", "the prefix cache matches any cached prompt no longer than the new one (the tokens "
         "not compared: a hash or key collision)", "vllm#43559", "serving",
         "if (len(key) <= len(r.prompt) and r.prompt[:len(key)] == key and (entry.mtp or r.draft != \"mtp\")",
         "if (len(key) <= len(r.prompt) and (entry.mtp or r.draft != \"mtp\")", "shared-prefix-cache"),
     Bug("chunk-offset-off-by-one", "every prompt chunk after the first starts one token late",
-        "sglang#39342", "batch",
-        "tokens = jnp.where(prefilling, lax.dynamic_slice_in_dim(s.buf, c, T), verify_tokens)",
-        "tokens = jnp.where(prefilling, lax.dynamic_slice_in_dim(s.buf, c + (c > 0), T), verify_tokens)",
+        "sglang#39342", "spec_decode",
+        "tokens = select(prefilling, lax.dynamic_slice_in_dim(row.buf, c, T), verify_tokens)",
+        "tokens = select(prefilling, lax.dynamic_slice_in_dim(row.buf, c + (c > 0), T), verify_tokens)",
         "long-prompts"),
     Bug("rejected-round-keeps-drafts", "a round whose drafts are all rejected keeps the state after every verified "
-        "position (an accept count of 0 treated as 'keep all')", "vllm#50021", "batch",
+        "position (an accept count of 0 treated as 'keep all')", "vllm#50021", "spec_decode",
         "whole = n == after.length - before.length",
         "whole = (n == after.length - before.length) | (n == 1)", "speculative-acceptance-mix"),
     Bug("partial-pass-rolled-back", "only a full-width pass keeps its own state: a prefill chunk in a step with "
-        "drafts is rolled back to its first K+1 positions (mixed prefill/decode batches)", "sglang#39342", "batch",
+        "drafts is rolled back to its first K+1 positions (mixed prefill/decode batches)", "sglang#39342",
+        "spec_decode",
         "whole = n == after.length - before.length", "whole = n == K + 1", "prompts-without-cache"),
     Bug("commit-rejected-draft", "the first rejected draft is committed in place of the target's own token",
-        "llama.cpp#28019", "batch",
+        "llama.cpp#28019", "spec_decode",
         "new = jnp.where(positions < accepted, jnp.append(drafts, 0), token)",
         "new = jnp.where(positions <= jnp.minimum(accepted, len(drafts) - 1), jnp.append(drafts, 0), token)",
         "speculative-acceptance-mix"),
     Bug("stop-ignored-in-draft-block", "a stop id among accepted drafts does not end the request (only the "
-        "target's own token is tested)", "", "batch",
+        "target's own token is tested)", "", "spec_decode",
         "stops = jnp.isin(new, stop) & (positions <= accepted)",
         "stops = jnp.isin(new, stop) & (positions == accepted)", "stop-in-accepted-drafts"),
     Bug("drafts-past-max-tokens", "drafts are not cut at the tokens left, so an accepted block runs past "
-        "max_tokens", "", "batch",
-        "return drafts, q, jnp.minimum(m, st.limit - (s.ntok - st.prompt_len) - 1)",
+        "max_tokens", "", "spec_decode",
+        "return drafts, q, jnp.minimum(m, settings.limit - (row.ntok - settings.prompt_len) - 1)",
         "return drafts, q, m", "speculative-acceptance-mix"),
     Bug("max-tokens-off-by-one", "a request generates one token more than max_tokens", "", "serving",
-        "np.int32(DRAFTERS.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),",
-        "np.int32(DRAFTERS.index(r.draft)), np.int32(K), np.int32(limit + 1), np.int32(len(r.prompt)),",
+        "np.int32(DRAFTER_NAMES.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),",
+        "np.int32(DRAFTER_NAMES.index(r.draft)), np.int32(K), np.int32(limit + 1), np.int32(len(r.prompt)),",
         "single-greedy"),
     Bug("event-skips-a-token", "the host reports one token fewer than were committed at each read-back (a "
         "streamed token lost between syncs)", "", "serving",
@@ -87,9 +88,9 @@ CATALOGUE = (
         "prefill_to=prefill_to, phase=jnp.int32(PREFILL), key=jax.random.key(seed), settings=settings._replace("
         "stop=jnp.where(settings.stop < 0, row.settings.stop, settings.stop)),", "slot-reuse-after-stop"),
     Bug("first-token-from-padding", "a prompt's first generated token is read from the last chunk's padded end, "
-        "not its last valid position", "vllm#55357", "batch",
-        "pick = jnp.where(prefilling, jnp.maximum(valid - 1, 0), jnp.arange(K + 1))",
-        "pick = jnp.where(prefilling, jnp.maximum(jnp.minimum(valid, T - 1), 0), jnp.arange(K + 1))",
+        "not its last valid position", "vllm#55357", "spec_decode",
+        "pick = select(prefilling, jnp.maximum(valid - 1, 0), jnp.arange(K + 1))",
+        "pick = select(prefilling, jnp.maximum(jnp.minimum(valid, T - 1), 0), jnp.arange(K + 1))",
         "max-tokens-1"),
     Bug("tokens-to-neighbour", "while a request runs, its new tokens are reported under the request in the slot "
         "before it (one request's tokens delivered to another)", "", "serving",
@@ -130,8 +131,8 @@ def enclosing_function(bug):
 
 
 def touches_step(bug):
-    """Whether the bug changes the compiled step program (batch.py outside the slot bookkeeping), so that a server
-    with it compiles its own."""
+    """Whether the bug changes the compiled step program (spec_decode.py, batch.py outside the slot bookkeeping), so
+    that a server with it compiles its own."""
     return bug.module == "spec_decode" or (bug.module == "batch" and enclosing_function(bug) not in (
         "admit", "free", "read_slot", "resume"))
 

@@ -138,12 +138,18 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     new = kv_from_reference(AttnState(k, v))                     # (Hkv, T, Dh), (Hkv, Dh, T)
     keys = lax.dynamic_update_slice_in_dim(state.k, new.k.astype(state.k.dtype), positions[0], 1)
     values = lax.dynamic_update_slice_in_dim(state.v, new.v.astype(state.v.dtype), positions[0], 2)
+    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]          # (T, S) causal; hides stale slots
+    out = gqa_attention(q, keys, values, visible).reshape(T, Hq * Dh)           # (T, Hq*Dh)
+    return matmul(out * jax.nn.sigmoid(gate), o_proj), AttnState(keys, values)
+
+
+def gqa_attention(q, keys, values, visible):  # (T, Hq, Dh), (Hkv, S, Dh), (Hkv, Dh, S), (T, S) bool -> (T, Hq, Dh)
+    """Softmax attention scaled by Dh^-0.5; query head h reads key/value head h // (Hq / Hkv)."""
+    (T, Hq, Dh), Hkv = q.shape, keys.shape[0]
     q = q.reshape(T, Hkv, Hq // Hkv, Dh)                          # (T, Hkv, G, Dh)  GQA groups
     scores = jnp.einsum("tkgd,ksd->kgts", q, keys, preferred_element_type=f32) * f32(Dh ** -0.5)  # (Hkv, G, T, S)
-    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]          # (T, S) causal; hides stale slots
     weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("kgts,kds->tkgd", weights.astype(values.dtype), values).reshape(T, Hq * Dh)  # (T, Hq*Dh)
-    return matmul(out * jax.nn.sigmoid(gate), o_proj), AttnState(keys, values)
+    return jnp.einsum("kgts,kds->tkgd", weights.astype(values.dtype), values).reshape(T, Hq, Dh)
 
 
 def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
@@ -154,14 +160,19 @@ def mlp(x, gate_proj, up_proj, down_proj):  # (T, D) -> (T, D)
 def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T, D) -> (T, D)
     """Softmax router, top-k renormalised, plus a gated shared expert. Each token gathers only its k experts'
     weights (e indexes the chosen ones), so a decode step reads k experts, not E."""
-    probs = jax.nn.softmax(matmul(x, gate).astype(f32), axis=-1)              # (T, E)
-    top_weights, top = lax.top_k(probs, cfg.num_experts_per_tok)             # (T, k); ties go to the lower index
-    top_weights = top_weights / top_weights.sum(axis=-1, keepdims=True)
+    top, top_weights = route(matmul(x, gate), cfg.num_experts_per_tok)       # (T, k) x2
     F = cfg.moe_intermediate_size
     gate_up = jnp.einsum("td,tefd->tef", x, experts["gate_up_proj"][top])    # (T, k, 2F)  gate rows first
     y = jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]                     # (T, k, F)
     out = jnp.einsum("te,tef,tedf->td", top_weights.astype(x.dtype), y, experts["down_proj"][top])
     return out + jax.nn.sigmoid(matmul(x, shared_expert_gate)) * mlp(x, **shared_expert)
+
+
+def route(logits, k):  # (T, E) router logits -> expert ids (T, k), their weights (T, k)
+    """Softmax over all experts in fp32, the k most probable (ties go to the lower index), weights renormalised."""
+    probs = jax.nn.softmax(logits.astype(f32), axis=-1)                     # (T, E)
+    top_weights, top = lax.top_k(probs, k)
+    return top, top_weights / top_weights.sum(axis=-1, keepdims=True)
 
 
 def decoder_layer(x, kind, layer, state, positions, valid, cfg):  # (T, D) -> (T, D), layer state, Tape or None
@@ -205,7 +216,7 @@ def verify_forward(params, cfg, tokens, state, strategy):
     """One target pass over [last committed token, K drafts] -> logits (K+1, V), hidden (K+1, D), the state after
     all K+1, and what the rollback `strategy` needs: the K+1 kept states ("per-position") or the tapes ("replay")."""
     logits, hidden, after, tapes = forward(params, cfg, tokens, state)
-    return logits, hidden, after, rollback.keep_per_position(state, tapes) if strategy == "per-position" else tapes
+    return logits, hidden, after, rollback.STRATEGIES[strategy].keep(state, tapes)
 
 
 # ----------------------------------------------------------------------------------------------------------------

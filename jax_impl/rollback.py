@@ -6,8 +6,11 @@ strategies rebuilds it:
     per-position   at verify time keep the conv window and S after every position; commit is an index.
     replay         keep the verify pass's Tape (qkv, k, g, delta); commit replays the n kept steps from the
                    pre-verify state (decays and rank-1 updates, no forward). A full accept keeps the verify state.
-Tape (reference.Tape): qkv (T, C), k (T, Hk, Dk), g (T, Hv), delta (T, Hv, Dv).
+Tape (reference.Tape): qkv (T, C), k (T, Hk, Dk), g (T, Hv), delta (T, Hv, Dv). STRATEGIES is the table: a new
+strategy is an entry there (and in reference.ROLLBACK).
 """
+
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +72,17 @@ def commit_replay(before, after, tapes, n):
     return lax.cond(n == verified, lambda: after, rebuilt)
 
 
+class Strategy(NamedTuple):
+    """A rollback strategy: what a verify pass keeps, and how commit rebuilds the state from it."""
+    keep: Callable       # (state before the pass, its per-layer Tapes) -> what the pass keeps
+    commit: Callable     # (before, after, kept, n) -> the State after the first n verified positions
+
+
+STRATEGIES = {"per-position": Strategy(keep_per_position, commit_per_position),
+              "replay": Strategy(lambda before, tapes: tapes, commit_replay)}
+assert tuple(STRATEGIES) == reference.ROLLBACK_STRATEGIES
+
+
 def commit(strategy, before, after, kept, n):
     """The state after the first n verified positions; `kept`: what verify kept for `strategy` (model.verify_forward)."""
-    return (commit_per_position if strategy == "per-position" else commit_replay)(before, after, kept, n)
+    return STRATEGIES[strategy].commit(before, after, kept, n)

@@ -32,9 +32,9 @@ import jax
 import numpy as np
 
 from . import batch, reference
-from .batch import DECODE, DONE, DRAFTERS, MAX_STOP_IDS, PAUSED, PREFILL
+from .batch import DECODE, DONE, MAX_STOP_IDS, PAUSED, PREFILL
 from .sharding import fetch
-from .spec_decode import check_settings, compiled, round_draft_len, round_up
+from .spec_decode import DRAFTER_NAMES, check_settings, compiled, round_draft_len, round_up
 
 MAX_DRAFT_LEN, Sampling, UserError = reference.MAX_DRAFT_LEN, reference.Sampling, reference.UserError
 
@@ -195,7 +195,8 @@ class Server:
         T = self.step_width or (batch.prefill_width(max(chunk, K + 1)) if prefilling else K + 1)
         features = self.features or features_of([self.live[i].request for i in working])
         statics = dict(T=T, K=K, strategy=self.rollback, features=features,
-                       prefill=bool(prefilling) and not self.step_width, mesh=self.mesh)
+                       prefill=bool(prefilling) and not self.step_width,
+                       prefills=bool(prefilling) or self.step_width is not None, mesh=self.mesh)
         if self.mesh is not None:  # slot bookkeeping (admit, resume) may have moved some leaves: back in place
             self.slots = jax.device_put(self.slots, batch.slot_shardings(self.mesh, self.slots))
         run_steps, fresh = compiled(batch.run_steps, (1,), self.cfg, statics, self.params, self.slots,
@@ -245,7 +246,7 @@ class Server:
             settings = batch.Settings(
                 np.float32(r.sampling.temperature), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),
                 np.float32(r.sampling.top_p),
-                np.int32(DRAFTERS.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),
+                np.int32(DRAFTER_NAMES.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),
                 np.array(list(stop) + [-1] * (MAX_STOP_IDS - len(stop)), np.int32))
             prompt = np.zeros(self.capacity, np.int32)
             prompt[:len(r.prompt)] = r.prompt

@@ -1,13 +1,17 @@
-"""Sampling, acceptance, drafters and generation, all on device: the whole loop (draft, verify, accept, roll back,
-append) is one lax.while_loop over fixed shapes (static K, a token buffer of static size), so nothing recompiles
-per step and no token crosses to the host until the end. Mirrors reference.py's section of the same name.
+"""Sampling, acceptance, drafters and a request's round, all on device: the whole loop (draft, verify, accept, roll
+back, append) is one lax.while_loop over fixed shapes (static K, a token buffer of static size), so nothing
+recompiles per step and no token crosses to the host until the end. Mirrors reference.py's section of the same name.
 
-A round always verifies K+1 tokens; a drafter that found only m < K tokens pads the rest, and acceptance stops
-at m, so the kept prefix (and the state rolled back to it) is the reference's. Randomness is jax.random: the
-same distributions as the reference, not its numpy stream.
+request_step is the one definition of a request's round (and of a prefill chunk): the single-request loop
+(decode_device) runs it on one request, the batched server (batch.py) vmaps it over its slots. A round always
+computes K drafts; a drafter that found only m < K tokens pads the rest, the pass counts m + 1 of its K + 1 tokens
+and acceptance stops at m, so the kept prefix (and the state rolled back to it) is the reference's. Where to add:
+a drafter to DRAFTERS, a rollback strategy to rollback.STRATEGIES, a round variant to request_step's section.
+Randomness is jax.random: the same distributions as the reference, not its numpy stream.
 """
 
 import time
+from functools import partial
 from typing import Callable, NamedTuple
 
 import jax
@@ -17,13 +21,13 @@ from jax import lax
 
 from . import matvec, reference
 from .matvec import matmul
-from .model import decoder_layer, empty_kv, empty_state, forward_hidden, lm_head, rms_norm, verify_forward
-from .rollback import commit
+from .model import decoder_layer, empty_kv, empty_state, forward_hidden, lm_head, rms_norm
+from .rollback import STRATEGIES
 from .sharding import constrain_state, fetch, put, replicated
 
-Sampling, State = reference.Sampling, reference.State  # the spec's types
+Sampling, State, Tape = reference.Sampling, reference.State, reference.Tape  # the spec's types
 
-f32 = jnp.float32
+f32, i32 = jnp.float32, jnp.int32
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -115,24 +119,34 @@ def accept_speculative(draft, m, q, p, u):  # (K,), m, (K, V), (K+1, V), (K+1,) 
     return n, sample(jnp.where(use_residual, residual, p[n]), u[K])
 
 
-def is_eos(tokens, cfg):
-    return jnp.isin(tokens, jnp.array(cfg.eos_token_id or (-1,), jnp.int32))
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Drafters. reference.Drafter is one propose function that sees the whole context and returns a variable number of
-# drafts; inside the on-device loop shapes are fixed, so a DeviceDrafter is three pure functions over its own state
+# drafts; inside the on-device loop shapes are fixed, so a DeviceDrafter is pure functions over its own state
 # pytree, always proposing K drafts of which the first m are valid:
-#   init(params, cfg, buf, prompt_len, hidden, table) -> draft_state   after prefill (hidden: the padded prompt's)
-#   propose(params, cfg, draft_state, buf, ntok, K, sampling, key) -> drafts (K,), q (K, V), valid count m
-#   update(params, cfg, draft_state, new, hidden, n) -> draft_state    after a round kept n verified positions
-# `buf[:ntok]` is the context; `new` (K+1,) holds the tokens after each verified position, `hidden` (K+1, D) the
-# target's final-normed hidden states there; `table` is an offline n-gram table as arrays (or None).
+#   empty(params, cfg, capacity, dtype) -> draft_state    before any token (fixed shapes; None: it keeps no state)
+#   propose(params, cfg, arrays, draft_state, state, buf, ntok, K, want, sampling, key) -> drafts (K,), q (K, V), m
+#   update(params, cfg, draft_state, tokens, hidden, n) -> draft_state    the target kept n positions of a pass
+#   arrays(params, cfg, spec, K, ngram_table) -> constant arrays it reads (on the host, once per run; None: none)
+# `buf[:ntok]` is the context, `state` the target's committed state (it has consumed all of it but the last token);
+# want <= K is the request's own draft length (a batch row's, traced; K, static, in the single-request loop).
+# `tokens` (T,) holds the token after each position of the pass, `hidden` (T, D) the target's final-normed hidden
+# states there (the prompt's after the prefill). A new drafter is a DeviceDrafter in DRAFTERS: the single-request
+# loop and the batched server then both run it through request_step.
 
 class DeviceDrafter(NamedTuple):
-    init: Callable
+    empty: Callable
     propose: Callable
     update: Callable
+    arrays: Callable = lambda params, cfg, spec, K, ngram_table: None
+
+
+def no_state(params, cfg, capacity, dtype):
+    return None
+
+
+def same_state(params, cfg, draft_state, tokens, hidden, n):
+    return draft_state
 
 
 def prompt_lookup(buf, length, K, max_ngram=3, want=None):  # (L,), context length -> drafts (K,), count
@@ -167,25 +181,25 @@ def table_arrays(table, K):
     return keys, phrases, np.array([len(p) for _, p in items], np.int32)
 
 
-def table_lookup(table, buf, length, K):  # -> drafts (K,), count: the phrase stored for the last n tokens
+def table_lookup(table, buf, length, K, want):  # -> drafts (K,), count: the phrase stored for the last n tokens
     keys, phrases, lengths = table
     n = keys.shape[1]
     hit = jnp.all(keys == lax.dynamic_slice_in_dim(buf, jnp.maximum(length - n, 0), n), axis=1) & (length >= n)
     row = jnp.argmax(hit)
-    return phrases[row, :K], jnp.where(hit.any(), jnp.minimum(lengths[row], K), 0)
+    return phrases[row, :K], jnp.where(hit.any(), jnp.minimum(lengths[row], want), 0)
 
 
-def ngram_propose(params, cfg, table, buf, ntok, K, sampling, key):
-    """Copy from the context (prompt lookup); else the offline table. q is one-hot."""
-    drafts, m = prompt_lookup(buf, ntok, K)
+def ngram_propose(params, cfg, table, draft_state, state, buf, ntok, K, want, sampling, key):
+    """Copy from the context (prompt lookup); else the offline table (arrays). q is one-hot."""
+    drafts, m = prompt_lookup(buf, ntok, K, want=want)
     if table is not None:
-        table_drafts, table_m = table_lookup(table, buf, ntok, K)
+        table_drafts, table_m = table_lookup(table, buf, ntok, K, want)
         drafts, m = jnp.where(m > 0, drafts, table_drafts), jnp.where(m > 0, m, table_m)
     return drafts, jax.nn.one_hot(drafts, cfg.vocab_size, dtype=f32), m
 
 
-NGRAM = DeviceDrafter(init=lambda params, cfg, buf, prompt_len, hidden, table: table, propose=ngram_propose,
-                update=lambda params, cfg, table, *args: table)
+NGRAM = DeviceDrafter(no_state, ngram_propose, same_state,
+                      arrays=lambda params, cfg, spec, K, ngram_table: table_arrays(ngram_table, K))
 
 
 def mtp_hidden(params, cfg, tokens, hidden, state, valid=None):  # (T,), (T, D) -> hidden (T, D), State
@@ -199,23 +213,22 @@ def mtp_hidden(params, cfg, tokens, hidden, state, valid=None):  # (T,), (T, D) 
     return rms_norm(x, m["norm"], cfg.rms_norm_eps), State((layer_state,), state.length + valid)
 
 
-def mtp_init(params, cfg, buf, prompt_len, hidden, table):
-    """Catch the MTP head up on the prompt: pairs (hidden of position i, token i+1). Its state: (State, last hidden)."""
-    empty = State((empty_kv(cfg, len(buf), hidden.dtype),), jnp.int32(0))
-    return mtp_update(params, cfg, (empty, None), buf[1:len(hidden) + 1], hidden, prompt_len)
+def mtp_empty(params, cfg, capacity, dtype):
+    """The MTP head's state: (its own State, its last output hidden state (D,))."""
+    return State((empty_kv(cfg, capacity, dtype),), jnp.int32(0)), jnp.zeros(cfg.hidden_size, dtype)
 
 
-def mtp_propose(params, cfg, draft_state, buf, ntok, K, sampling, key):
+def mtp_propose(params, cfg, arrays, draft_state, state, buf, ntok, K, want, sampling, key):
     """Chain the head K times on its own output hidden state and drafted token; the chain's KV is dropped (the kept
     state covers committed pairs only; later writes overwrite it). The K-th forward is unused, a fixed-shape cost.
     The chain is unrolled: K is small and static, and a loop iteration costs a round trip to the host on a GPU."""
     def step(carry, key):
-        h, state = carry
+        h, head = carry
         token, q = draw(lm_head(params, h), sampling, key)
-        return mtp_step(params, cfg, token, h, state), (token, q)
-    state, h = draft_state
-    _, (drafts, q) = lax.scan(step, (h, state), jax.random.split(key, K), unroll=True)
-    return drafts, q, K
+        return mtp_step(params, cfg, token, h, head), (token, q)
+    head, h = draft_state
+    _, (drafts, q) = lax.scan(step, (h, head), jax.random.split(key, K), unroll=True)
+    return drafts, q, want
 
 
 def mtp_step(params, cfg, token, h, state):  # (), (D,) -> the head's output hidden (D,), State
@@ -224,17 +237,44 @@ def mtp_step(params, cfg, token, h, state):  # (), (D,) -> the head's output hid
     return out[0], state
 
 
-def mtp_update(params, cfg, draft_state, new, hidden, n):
-    out, state = mtp_hidden(params, cfg, new, hidden, draft_state[0], valid=n)
-    return state, out[n - 1]
+def mtp_update(params, cfg, draft_state, tokens, hidden, n):
+    """The head consumes the pairs (hidden at each kept position, the token after it); n = 0 leaves it as it was."""
+    out, state = mtp_hidden(params, cfg, tokens, hidden, draft_state[0], valid=n)
+    return state, jnp.where(n > 0, out[jnp.maximum(n - 1, 0)], draft_state[1])
 
 
-MTP = DeviceDrafter(mtp_init, mtp_propose, mtp_update)
-DRAFTERS = {"ngram": NGRAM, "mtp": MTP}
+MTP = DeviceDrafter(mtp_empty, mtp_propose, mtp_update)
+
+DRAFTERS = {"ngram": NGRAM, "mtp": MTP}          # the drafters jax_impl runs on device, single-request and batched
+DRAFTER_NAMES = ("none", *DRAFTERS)              # a request's drafter; a batch row holds its index here
+
+
+def empty_drafts(params, cfg, drafters, capacity, dtype):
+    """{name: empty state} of the drafters (names) that keep one."""
+    states = {name: DRAFTERS[name].empty(params, cfg, capacity, dtype) for name in drafters}
+    return {name: state for name, state in states.items() if state is not None}
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Generation on device
+# A request's step: the one definition of a speculative round (and of a prefill chunk) on the device, used by the
+# single-request loop (decode_device: one Row in a lax.while_loop) and the batched server (batch.step: request_step
+# vmapped over the slots). Per request:
+#   * keys: a plain step splits its key in two (key, draw key), a speculative round in three (key, draft key,
+#     accept key); the prompt's last chunk draws the first token with the two-way split. A request that does not
+#     sample (no row of the step samples: features.sample) keeps its key. The accept uniforms are drawn for the
+#     round's width K and the request reads its own K+1 of them (uniforms_for).
+#   * drafts: its drafter's (DRAFTERS), at most its own K (round_draft_len) and the tokens left after the target's.
+#   * one target pass (target_pass) over [last committed token, drafts], valid = m + 1, keeping what the rollback
+#     strategy needs (rollback.STRATEGIES); a prefill chunk is the same pass over prompt tokens.
+#   * acceptance (decide): greedy, or speculative sampling with its own temperature, top-k, top-p; the committed
+#     tokens end at its first stop id.
+#   * commit (commit_kept): one verified position per committed token (reference.run_trace's rule); a pass whose
+#     every consumed position is kept (a prefill chunk, a full accept) keeps its own state.
+#   * its drafter's state consumes the kept positions (DeviceDrafter.update); statistics count the round.
+# A round variant (a tree of drafts, a block drafter's round) is written here once, for both.
+
+FREE, PREFILL, DECODE, DONE, PAUSED = range(5)       # a request's phase (PAUSED: at the position the host asked for)
+
 
 class Stats(NamedTuple):
     target_calls: jax.Array
@@ -244,15 +284,178 @@ class Stats(NamedTuple):
     accepted_by_position: jax.Array     # (K,)
 
 
-class Loop(NamedTuple):
-    buf: jax.Array        # (L,) prompt, then generated tokens
-    ntok: jax.Array       # tokens in buf; the target state has consumed all but the last
-    state: State
-    draft_state: object
-    key: jax.Array
-    done: jax.Array       # an EOS was emitted
-    stats: Stats
+class Settings(NamedTuple):
+    """A request's settings: Python values in the single-request loop (what they leave out is not compiled), (B,)
+    arrays in a batch (one row per slot, written when a request takes the slot)."""
+    temperature: object       # f32; 0 = greedy
+    top_k: object             # i32; 0 = off
+    top_p: object             # f32; 1 = off
+    drafter: object           # a name in DRAFTER_NAMES, or (batch) i32 its index there
+    draft_len: object         # i32: K of its rounds, round_draft_len
+    limit: object             # i32: tokens to generate at most (reference.token_limit)
+    prompt_len: object        # i32
+    stop: object              # (MAX_STOP_IDS,) i32 stop ids, -1 padded
 
+
+class Features(NamedTuple):
+    """What a step compiles in (static). A feature no row uses is left out: its cost and its compilation."""
+    sample: bool = False      # some row samples (temperature > 0)
+    top_k: bool = False       # ... with top-k
+    top_p: bool = False       # ... with top-p
+    mtp: bool = False         # some row drafts with the MTP head
+
+
+class Row(NamedTuple):
+    """A request on the device between steps (batch.Slots holds one per slot)."""
+    state: State              # the target's
+    drafts: dict              # {drafter name: its state}, for the drafters compiled in that keep one
+    buf: jax.Array            # (L,) i32: prompt, then generated tokens
+    ntok: jax.Array           # tokens in buf; the state has consumed all but the last once decoding
+    prefill_to: jax.Array     # a prefilling request consumes its prompt up to here (then PAUSED if short of it)
+    phase: jax.Array          # i32
+    key: jax.Array            # jax.random key
+    stats: Stats              # by-position counts over the widest K it may run
+    logprob: jax.Array = None  # (L,) f32 beside buf: each generated token's log-probability under the target's raw
+                               # logits (None: not kept; the server keeps them)
+
+
+def row_sampling(settings, features):
+    """The request's Sampling, each part its setting where some row uses it (a traced value in a batch), else the
+    off value."""
+    return Sampling(settings.temperature if features.sample else 0.0, settings.top_k if features.top_k else 0,
+                    settings.top_p if features.top_p else 1.0)
+
+
+def drafts_with(settings, name):
+    """Whether the request drafts with `name`: a Python bool in the single-request loop, traced in a batch."""
+    if isinstance(settings.drafter, str):
+        return settings.drafter == name
+    return settings.drafter == DRAFTER_NAMES.index(name)
+
+
+def propose(params, cfg, row, settings, arrays, K, sampling, key, drafters):
+    """The request's drafts (K,), their distributions q (K, V) and how many count: its drafter's, among the drafters
+    compiled in (each computed only if compiled in), at most its own K and the tokens left after the target's."""
+    drafts, q, m = jnp.zeros(K, i32), jnp.zeros((K, cfg.vocab_size), f32), jnp.int32(0)
+    for name in drafters if K else ():
+        theirs = DRAFTERS[name].propose(params, cfg, arrays, row.drafts.get(name), row.state, row.buf, row.ntok, K,
+                                        settings.draft_len, sampling, key)
+        use = drafts_with(settings, name)
+        drafts, q, m = (select(use, new, old) for new, old in zip(theirs, (drafts, q, m)))
+    return drafts, q, jnp.minimum(m, settings.limit - (row.ntok - settings.prompt_len) - 1)
+
+
+def target_pass(params, cfg, state, tokens, valid, pick, K, rollback):
+    """The request's pass over tokens (T,) of which `valid` count -> logits (K+1, V) at positions `pick` (K+1,),
+    hidden (T, D), the state after the valid tokens, and what `rollback` keeps for the first K+1 positions."""
+    hidden, after, tapes = forward_hidden(params, cfg, tokens, state, valid)
+    tapes = [None if t is None else Tape(*(x[:K + 1] for x in t)) for t in tapes]
+    return lm_head(params, hidden[pick]), hidden, after, STRATEGIES[rollback].keep(state, tapes) if K else tapes
+
+
+def decide(drafts, m, q, logits, sampling, u, stop, features):
+    """Accept the first m drafts (K,) against logits (K+1, V): greedy, or speculative sampling with uniforms u (K+1,)
+    (u[K] draws the target's token) -> (accepted, the target's token, committed tokens (K+1,), how many: the
+    accepted drafts and the token, ending at the first stop id; whether a stop id ended them)."""
+    accepted, token = accept_greedy(drafts, m, logits)
+    if features.sample:
+        sampled = accept_speculative(drafts, m, q, probabilities(logits, sampling), u)
+        accepted, token = (select(sampling.temperature > 0, s, g) for s, g in zip(sampled, (accepted, token)))
+    positions = jnp.arange(len(drafts) + 1)
+    new = jnp.where(positions < accepted, jnp.append(drafts, 0), token)
+    stops = jnp.isin(new, stop) & (positions <= accepted)
+    return accepted, token, new, jnp.where(stops.any(), jnp.argmax(stops) + 1, accepted + 1), stops.any()
+
+
+def commit_kept(rollback, before, after, kept, n, K):
+    """The state after the first n positions of a pass: the pass's own state when it consumed exactly n (a prefill
+    chunk, a full accept, an idle request's n = 0), else the strategy's commit from the first K+1 positions' kept
+    states. With K = 0 every request keeps what it consumed (one token, a prefill chunk, nothing). Attention layers
+    keep the pass's buffers either way (the length hides what was not kept): only DeltaNet states are selected."""
+    if K == 0:
+        return after
+    rebuilt = STRATEGIES[rollback].commit(before, after, kept, jnp.clip(n, 1, K + 1))
+    whole = n == after.length - before.length
+    layers = tuple(a if isinstance(a, reference.AttnState) else jax.tree.map(partial(jnp.where, whole), a, r)
+                   for a, r in zip(after.layers, rebuilt.layers))
+    return State(layers, jnp.where(whole, after.length, rebuilt.length))
+
+
+def uniforms_for(key, K, own_k):
+    """The accept uniforms of a round of the request's own K (own_k) drawn as (K+1,): u[:own_k] decide the drafts and
+    u[K] (accept_speculative's) is the request's u[own_k]."""
+    u = jax.random.uniform(key, (K + 1,))
+    return jnp.where(jnp.arange(K + 1) == K, u[own_k], u)
+
+
+def counted(stats, decoding, m, accepted):
+    """Stats after a step in which the request verified m drafts (if decoding) and accepted some."""
+    on = decoding.astype(i32)
+    positions = jnp.arange(stats.proposed_by_position.shape[-1])
+    return Stats(stats.target_calls + on, stats.proposed + on * m, stats.accepted + on * accepted,
+                 stats.proposed_by_position + on * (positions < m),
+                 stats.accepted_by_position + on * (positions < accepted))
+
+
+def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, features, drafters, prefills):
+    """One step of one request -> its Row after it: a speculative round of width K (or a plain step, K = 0) when
+    DECODE, a prompt chunk of up to T tokens when PREFILL (compiled in only if `prefills`: some row may prefill),
+    nothing otherwise. drafters: the names compiled in (DRAFTERS); arrays: their constant arrays (DeviceDrafter.arrays)."""
+    st, c = settings, row.state.length
+    prefilling, decoding = (row.phase == PREFILL) if prefills else False, row.phase == DECODE
+    sampling = row_sampling(st, features)
+    plain = drafts_with(st, "none")
+    (key2, draw_key), (key3, draft_key, accept_key) = jax.random.split(row.key), jax.random.split(row.key, 3)
+
+    drafts, q, m = propose(params, cfg, row, st, arrays, K, sampling, draft_key, drafters)
+    verify_tokens = jnp.pad(jnp.concatenate([row.buf[row.ntok - 1][None], drafts]), (0, T - K - 1))
+    tokens = select(prefilling, lax.dynamic_slice_in_dim(row.buf, c, T), verify_tokens)
+    valid = select(prefilling, jnp.clip(row.prefill_to - c, 0, T), jnp.where(decoding, m + 1, 0))
+    pick = select(prefilling, jnp.maximum(valid - 1, 0), jnp.arange(K + 1))
+    logits, hidden, after, kept = target_pass(params, cfg, row.state, tokens, valid, pick, K, rollback)
+
+    u = select(plain, jnp.broadcast_to(jax.random.uniform(draw_key), (K + 1,)),
+               uniforms_for(accept_key, K, st.draft_len))
+    accepted, _, new, n_decode, stopped = decide(drafts, m, q, logits, sampling, u, st.stop, features)
+    n = jnp.where(decoding, n_decode, select(prefilling, valid, 0))
+    state = commit_kept(rollback, row.state, after, kept, n, K)
+    buf = jnp.where(decoding, lax.dynamic_update_slice_in_dim(row.buf, new, row.ntok, 0), row.buf)
+    ntok = row.ntok + jnp.where(decoding, n_decode, 0)
+    prompt_done = False
+    if prefills:  # a prompt's last chunk draws the first generated token
+        first, _ = draw(logits[0], sampling, draw_key)
+        prompt_done = prefilling & (c + valid == st.prompt_len)
+        buf = jnp.where(prompt_done, buf.at[row.ntok].set(first), buf)
+        ntok = ntok + prompt_done.astype(i32)
+        stopped = jnp.where(decoding, stopped, jnp.isin(first, st.stop))
+
+    logprob = row.logprob
+    if logprob is not None:  # row i's log-probabilities for the token after it
+        logprobs = jax.nn.log_softmax(logits.astype(f32), axis=-1)
+        logprob = jnp.where(decoding, lax.dynamic_update_slice_in_dim(
+            logprob, jnp.take_along_axis(logprobs, new[:, None], axis=1)[:, 0], row.ntok, 0), logprob)
+        if prefills:
+            logprob = jnp.where(prompt_done, logprob.at[row.ntok].set(logprobs[0, first]), logprob)
+
+    after_tokens = lax.dynamic_slice_in_dim(buf, c + 1, T)     # the token after each position of the pass
+    drafts_state = {name: DRAFTERS[name].update(params, cfg, draft_state, after_tokens, hidden,
+                                                jnp.where(drafts_with(st, name), n, 0))
+                    for name, draft_state in row.drafts.items()}
+
+    finished = (decoding | prompt_done) & (stopped | (ntok - st.prompt_len >= st.limit))
+    phase = jnp.where(finished, DONE, row.phase)
+    if prefills:
+        paused = prefilling & ~prompt_done & (c + valid == row.prefill_to)
+        phase = jnp.where(finished, DONE, jnp.where(prompt_done, DECODE, jnp.where(paused, PAUSED, row.phase)))
+    key = row.key
+    if features.sample:  # a greedy request never draws with its key: in a step without sampling none advances
+        key = jnp.where(decoding, select(plain, key2, key3), select(prefills, jnp.where(prompt_done, key2, key), key))
+    return Row(state, drafts_state, buf, ntok, row.prefill_to, phase, key, counted(row.stats, decoding, m, accepted),
+               logprob)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The single-request loop
 
 class Prefilled(NamedTuple):
     state: State
@@ -270,59 +473,38 @@ def prefill_device(params, cfg, prompt, prompt_len, key, *, sampling, capacity, 
     return Prefilled(constrain_state(state, mesh), first, hidden, key)
 
 
-def decode_device(params, cfg, buf, prompt_len, limit, pre, table=None, *, sampling, draft, K, rollback, mesh=None):
-    """Generate up to `limit` tokens after the prompt in buf[:prompt_len] -> (buf, token count, Stats)."""
+def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, sampling, draft, K, rollback, mesh=None):
+    """Generate up to `limit` tokens after the prompt in buf[:prompt_len] -> (buf, token count, Stats): request_step
+    in a lax.while_loop, its settings static (greedy compiles no sampling, a plain run no drafting)."""
+    stop = jnp.array(cfg.eos_token_id or (-1,), i32)
+    settings = Settings(*sampling, draft, K, limit, prompt_len, stop)
+    features = Features(sample=sampling.temperature > 0, top_k=sampling.temperature > 0 and sampling.top_k > 0,
+                        top_p=sampling.temperature > 0 and sampling.top_p < 1)
+    drafters = () if draft == "none" else (draft,)
     buf = buf.at[prompt_len].set(pre.first)
+    prompt_pairs = buf[1:len(pre.hidden) + 1]       # the token after each prompt position
+    drafts = {name: DRAFTERS[name].update(params, cfg, draft_state, prompt_pairs, pre.hidden, prompt_len)
+              for name, draft_state in empty_drafts(params, cfg, drafters, len(buf), params["embed_tokens"].dtype).items()}
     zero = jnp.int32(0)
-    start = Loop(buf, prompt_len + 1, pre.state, (), pre.key, is_eos(pre.first, cfg),
-                 Stats(zero, zero, zero, jnp.zeros(K, jnp.int32), jnp.zeros(K, jnp.int32)))
-    if draft != "none":
-        start = start._replace(draft_state=DRAFTERS[draft].init(params, cfg, buf, prompt_len, pre.hidden, table))
+    phase = jnp.where(jnp.isin(pre.first, stop) | (limit <= 1), DONE, DECODE)
+    start = Row(pre.state, drafts, buf, prompt_len + 1, prompt_len, phase, pre.key,
+                Stats(zero, zero, zero, jnp.zeros(K, i32), jnp.zeros(K, i32)))
 
-    def running(c):
-        return ~c.done & (c.ntok - prompt_len < limit)
+    def step(row):
+        row = request_step(params, cfg, row, settings, arrays, T=K + 1, K=K, rollback=rollback, features=features,
+                           drafters=drafters, prefills=False)
+        return row._replace(state=constrain_state(row.state, mesh))
 
-    def plain_step(c):
-        key, sub = jax.random.split(c.key)
-        hidden, state, _ = forward_hidden(params, cfg, c.buf[c.ntok - 1][None], c.state)
-        token, _ = draw(lm_head(params, hidden[0]), sampling, sub)
-        return c._replace(buf=c.buf.at[c.ntok].set(token), ntok=c.ntok + 1, state=constrain_state(state, mesh),
-                          key=key, done=is_eos(token, cfg),
-                          stats=c.stats._replace(target_calls=c.stats.target_calls + 1))
-
-    def speculative_round(c):
-        drafter, (key, k_draft, k_accept) = DRAFTERS[draft], jax.random.split(c.key, 3)
-        drafts, q, m = drafter.propose(params, cfg, c.draft_state, c.buf, c.ntok, K, sampling, k_draft)
-        m = jnp.minimum(m, limit - (c.ntok - prompt_len) - 1)          # room for the target's own token
-        tokens = jnp.concatenate([c.buf[c.ntok - 1][None], drafts])     # (K+1,)
-        logits, hidden, after, kept = verify_forward(params, cfg, tokens, c.state, rollback)
-        if sampling.temperature == 0:
-            accepted, token = accept_greedy(drafts, m, logits)
-        else:
-            u = jax.random.uniform(k_accept, (K + 1,))
-            accepted, token = accept_speculative(drafts, m, q, probabilities(logits, sampling), u)
-        n = accepted + 1                                                # verified positions kept
-        state = constrain_state(commit(rollback, c.state, after, kept, n), mesh)
-        positions = jnp.arange(K + 1)
-        new = jnp.where(positions < accepted, jnp.append(drafts, 0), token)  # (K+1,) kept drafts, target's token
-        eos = is_eos(new, cfg) & (positions < n)
-        s = c.stats
-        stats = Stats(s.target_calls + 1, s.proposed + m, s.accepted + accepted,
-                      s.proposed_by_position + (positions[:K] < m), s.accepted_by_position + (positions[:K] < accepted))
-        return Loop(lax.dynamic_update_slice_in_dim(c.buf, new, c.ntok, 0),
-                    c.ntok + jnp.where(eos.any(), jnp.argmax(eos) + 1, n), state,
-                    drafter.update(params, cfg, c.draft_state, new, hidden, n), key, eos.any(), stats)
-
-    end = lax.while_loop(running, plain_step if draft == "none" else speculative_round, start)
+    end = lax.while_loop(lambda row: row.phase == DECODE, step, start)
     return end.buf, end.ntok, end.stats
 
 
-def generate_device(params, cfg, prompt, prompt_len, limit, key, table=None, *, sampling, draft, K, rollback,
+def generate_device(params, cfg, prompt, prompt_len, limit, key, arrays=None, *, sampling, draft, K, rollback,
                     capacity, mesh=None):
     """prefill_device then decode_device in one traceable function (vmap it over keys to sample many runs)."""
     pre = prefill_device(params, cfg, prompt, prompt_len, key, sampling=sampling, capacity=capacity, mesh=mesh)
     buf = jnp.zeros(capacity, jnp.int32).at[:len(prompt)].set(prompt)
-    return decode_device(params, cfg, buf, prompt_len, limit, pre, table, sampling=sampling, draft=draft, K=K,
+    return decode_device(params, cfg, buf, prompt_len, limit, pre, arrays, sampling=sampling, draft=draft, K=K,
                          rollback=rollback, mesh=mesh)
 
 
@@ -389,8 +571,8 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         prompt = np.asarray(prompt, np.int32)
         padded = put(np.pad(prompt, (0, P - len(prompt))), host)
         prompt_len, seed = put(np.int32(len(prompt)), host), put(np.uint32(seed), host)
-        table = table_arrays(ngram_table, K) if draft == "ngram" else None
-        table = None if table is None else tuple(put(x, host) for x in table)
+        arrays = None if draft == "none" else DRAFTERS[draft].arrays(params, cfg, draft, K, ngram_table)
+        arrays = jax.tree.map(lambda x: put(x, host), arrays)
         statics = dict(sampling=sampling, draft=draft, K=K, rollback=rollback, mesh=mesh)
 
         def run(limit):  # -> (buf, ntok, Stats), timing prefill and decode; decode_device donates the buffer
@@ -398,7 +580,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
             lap = time.perf_counter()
             pre = jax.block_until_ready(run_prefill(params, padded, prompt_len, seed))
             seconds["prefill"], lap = time.perf_counter() - lap, time.perf_counter()
-            out = jax.block_until_ready(run_decode(params, buf, prompt_len, limit, pre, table))
+            out = jax.block_until_ready(run_decode(params, buf, prompt_len, limit, pre, arrays))
             seconds["decode"] = time.perf_counter() - lap
             return out
 
@@ -406,7 +588,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         run_prefill, fresh = compiled(prefill_seeded, (), cfg, dict(sampling=sampling, capacity=capacity, mesh=mesh),
                                       params, padded, prompt_len, seed)
         shapes = (jax.ShapeDtypeStruct((capacity,), jnp.int32), prompt_len, prompt_len,
-                  run_prefill.out_info, table)
+                  run_prefill.out_info, arrays)
         run_decode, fresh_loop = compiled(decode_device, (1,), cfg, statics, params, *shapes)
         if fresh or fresh_loop:  # the first run sets the executables up (lazily initialised kernels): compile time
             run(min(limit, 2))
@@ -419,7 +601,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
                                               None if draft == "none" else counts, draft_len, rollback)
 
 
-ENGINE_DRAFTERS = ("jax_impl", ("none", *DRAFTERS))  # what reference.check_settings lets through to this engine
+ENGINE_DRAFTERS = ("jax_impl", DRAFTER_NAMES)  # what reference.check_settings lets through to this engine
 
 
 def check_settings(params, cfg, settings, label=str):

@@ -111,3 +111,28 @@ def test_the_command_line_prints_the_diagnosis_unless_told_not_to(flags, capsys,
     assert main(["run", "--engine", engine, "--cases", "^op-rms_norm_gated$", "--out-dir", str(tmp_path), *flags]) == 1
     printed = "diagnosis: the outputs match `gated-norm-gate-first`" in capsys.readouterr().out
     assert printed == (not flags)
+
+
+# The tree cases that cannot tell a tree mistake from the spec (docs/conformance.md counts the rest): a chain is its
+# own packed order; the commit from the first rows is right where the path is the first rows (the root alone, the
+# first of equal siblings); the chain rule shows in sampled walks only.
+TREES_BLIND_TO = {
+    "tree-state-from-previous-row": {"chain-deepest-leaf"}, "tree-conv-along-rows": {"chain-deepest-leaf"},
+    "tree-position-by-row": {"chain-deepest-leaf"}, "tree-attention-causal": {"chain-deepest-leaf"},
+    "tree-commit-by-accept-length": {"chain-deepest-leaf", "star-root-only", "equal-siblings-first-wins"},
+    "tree-chain-rule-on-siblings": "greedy",
+}
+
+
+@pytest.mark.parametrize("mistake", [m for m in diagnosis.CATALOGUE if m.name.startswith("tree-")],
+                         ids=lambda m: m.name)
+def test_a_tree_mistake_fails_every_tree_case_that_can_tell(mistake, tmp_path):
+    results, code = runner.run(engine_making(mistake), "^tree-", expectations={}, out=io.StringIO(),
+                               progress=io.StringIO(), out_dir=tmp_path, diagnose=False)
+    blind = TREES_BLIND_TO[mistake.name]
+    passing = {r.name.split("@")[0] for r in results if r.status == "PASS"}
+    if blind == "greedy":
+        assert passing == {r.name.split("@")[0] for r in results if "-greedy-" in r.name}
+    else:
+        assert passing == {f"tree-tiny-mtp-greedy-{label}" for label in blind}
+    assert code == 1 and {r.status for r in results if r.name.split("@")[0] not in passing} == {"FAIL"}

@@ -17,15 +17,14 @@ from .. import reference as R, sibling
 from . import Engine, Timed, layer_config, layer_params, moe_config, register_engine
 from ..format import FEATURE_GROUPS, FEATURES, state_tensors
 
-jax_impl, M, spec_decode = sibling("jax_impl"), sibling("jax_impl.model"), sibling("jax_impl.spec_decode")
-batch, compiled = sibling("jax_impl.batch"), spec_decode.compiled
+jax_impl, M = sibling("jax_impl"), sibling("jax_impl.model")
 
 # Layers and the delta rule compiled, as the model runs them (primitives run op by op)
 jit = partial(jax.jit, static_argnames="cfg")
 deltanet, attention, moe = jit(M.gated_deltanet), jit(M.gated_attention), jit(M.sparse_moe)
 mlp = jax.jit(M.mlp)
-mtp_update = jax.jit(spec_decode.mtp_update, static_argnums=(1, 5))
-mtp_step = jax.jit(spec_decode.mtp_step, static_argnums=1)
+mtp_update = jax.jit(jax_impl.mtp_update, static_argnums=(1, 5))
+mtp_step = jax.jit(jax_impl.mtp_step, static_argnums=1)
 rules = {"recurrent": jax.jit(jax_impl.gated_delta_recurrent), "chunked": jax.jit(jax_impl.gated_delta_chunked)}
 PAD_TO = 128                      # multi-token calls are padded to a multiple of this (Jax.decode)
 
@@ -128,8 +127,8 @@ class Jax(Engine):
         dtype = params["embed_tokens"].dtype
         if mtp_state is None:
             mtp_state = R.State((jax_impl.empty_kv(cfg, cfg.max_position_embeddings, dtype),), jnp.int32(0))
-        mtp_state, h = mtp_update(params, cfg, (mtp_state, None), jnp.asarray(tokens, jnp.int32),
-                                  jnp.asarray(hidden, dtype), len(tokens))
+        mtp_state, h = mtp_update(params, cfg, (mtp_state, jnp.zeros(cfg.hidden_size, dtype)),
+                                  jnp.asarray(tokens, jnp.int32), jnp.asarray(hidden, dtype), len(tokens))
         state, depth_hidden = mtp_state, [h]
         for token in chain:
             h, state = mtp_step(params, cfg, jnp.int32(token), h, state)
@@ -170,7 +169,7 @@ class Jax(Engine):
         """jax_impl's draw (temperature, top-k, top-p, then a uniform from jax.random), as its generate loop draws."""
         sampling = R.sampling_of(sampling)
         keys = jax.random.split(jax.random.key(seed), (n, len(logits)))
-        rows = jax.vmap(jax.vmap(lambda row, key: spec_decode.draw(row, sampling, key)[0]), (None, 0))
+        rows = jax.vmap(jax.vmap(lambda row, key: jax_impl.draw(row, sampling, key)[0]), (None, 0))
         return host(rows(jnp.asarray(logits), keys)).T
 
     def accept_draws(self, draft, q, logits, sampling, n, seed):
@@ -203,8 +202,8 @@ class Jax(Engine):
         return int(accepted), int(token)
 
     def run_trace(self, model, batches, rollback, slots):
-        """The batched path: `slots` request slots (batch.py's slot axis, released slots reused lowest first), each
-        batch's rows in one call of batch.explicit_step (a prefill longer than its width goes on in further calls
+        """The batched path: `slots` request slots (jax_impl.batch's slot axis, released slots reused lowest first), each
+        batch's rows in one call of jax_impl.explicit_step (a prefill longer than its width goes on in further calls
         of the rows left), every step's outputs read back after it. Snapshots are copies of a slot's row."""
         cfg, params = model
         trace = TraceSlots(cfg, params, slots, rollback or "replay", max_drafts(batches))
@@ -227,13 +226,13 @@ def max_drafts(batches):
 
 
 class TraceSlots:
-    """A serving trace's requests in batch.py's slots: which slot each request holds, and the prefix cache."""
-    T = batch.PREFILL_WIDTHS[-1]
+    """A serving trace's requests in jax_impl.py's slots: which slot each request holds, and the prefix cache."""
+    T = jax_impl.PREFILL_WIDTHS[-1]
     MIN_ROWS = 4
 
     def __init__(self, cfg, params, slots, rollback, drafts):
         self.cfg, self.params, self.rollback = cfg, params, rollback
-        self.K = batch.draft_bucket(drafts)
+        self.K = jax_impl.draft_bucket(drafts)
         capacity = cfg.max_position_embeddings + self.T     # no row's padded write ever clamps
         # at least MIN_ROWS rows, so that traces of 2, 3 and 4 slots share one compiled step; requests take only the
         # first `slots` (the free list), the other rows stay idle
@@ -246,15 +245,15 @@ class TraceSlots:
         index = self.free.pop(0)
         self.requests[name] = index
         if row is None:
-            row = jax.tree.map(jnp.zeros_like, batch.read_slot(self.state, index))
-        self.state = batch.write_slot(self.state, index, row)
+            row = jax.tree.map(jnp.zeros_like, jax_impl.read_slot(self.state, index))
+        self.state = jax_impl.write_slot(self.state, index, row)
         return index
 
     def apply(self, step):
         """A snapshot, restore or release step -> its outputs."""
         name, op = step["request"], step["op"]
         if op == "snapshot":
-            self.cache[step["key"]] = batch.read_slot(self.state, self.requests[name])
+            self.cache[step["key"]] = jax_impl.read_slot(self.state, self.requests[name])
         elif op == "restore":
             self.take_slot(name, self.cache[step["key"]])
             return {"state": self.cache[step["key"]]}
@@ -272,7 +271,7 @@ class TraceSlots:
         outputs, offsets = {}, dict.fromkeys(rows, 0)
         while offsets:
             inputs = self.rows_input({s: rows[s] for s in offsets}, offsets)
-            run, _ = compiled(batch.explicit_step, (1,), self.cfg, dict(T=self.T, K=self.K, strategy=self.rollback),
+            run, _ = jax_impl.compiled(jax_impl.explicit_step, (1,), self.cfg, dict(T=self.T, K=self.K, strategy=self.rollback),
                               self.params, self.state, inputs)
             logits, accepted, committed, n, self.state = run(self.params, self.state, inputs)
             logits, accepted, committed, n = (np.asarray(x) for x in (logits, accepted, committed, n))
@@ -286,7 +285,7 @@ class TraceSlots:
                     outputs[s] = {"logits": host(logits[index, :1])}
                     continue
                 out = {"logits": host(logits[index, :len(step["tokens"])]),
-                       "state": batch.read_slot(self.state, index)}
+                       "state": jax_impl.read_slot(self.state, index)}
                 if "keep" not in step["commit"]:
                     tokens = committed[index, :n[index]].tolist()
                     out.update(accepted=int(accepted[index]), committed=tokens,
@@ -295,10 +294,10 @@ class TraceSlots:
         return outputs
 
     def rows_input(self, rows, offsets):
-        """batch.Rows for the slots: each given row's tokens (a prefill's chunk at its offset), the rest idle."""
+        """jax_impl.Rows for the slots: each given row's tokens (a prefill's chunk at its offset), the rest idle."""
         B, T, K, V = len(self.state.length), self.T, self.K, self.cfg.vocab_size
         tokens, valid, keep = np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.full(B, -1, np.int32)
-        prefill, stop = np.zeros(B, bool), np.full((B, batch.MAX_STOP_IDS), -1, np.int32)
+        prefill, stop = np.zeros(B, bool), np.full((B, jax_impl.MAX_STOP_IDS), -1, np.int32)
         q, u = np.zeros((B, K, V), np.float32), np.zeros((B, K + 1), np.float32)
         temperature, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
         for s, step in rows.items():
@@ -313,4 +312,4 @@ class TraceSlots:
                 temperature[i], top_k[i], top_p[i] = rule["temperature"], rule["top_k"], rule["top_p"]
                 q[i, :k] = rule["q"]
                 u[i, :k], u[i, K] = rule["uniforms"][:k], rule["uniforms"][k]
-        return batch.Rows(tokens, valid, prefill, keep, q, u, R.Sampling(temperature, top_k, top_p), stop)
+        return jax_impl.Rows(tokens, valid, prefill, keep, q, u, R.Sampling(temperature, top_k, top_p), stop)

@@ -282,16 +282,15 @@ def spec_case(checkpoint, label, prompt_ids, state, verify_tokens, q, uniforms, 
     missed = undiscriminated(draft, q, logits, sampling, uniforms)
     assert not missed, f"{checkpoint} {label}: the wrong rules {missed} decide this round as the spec does"
     n = accepted + 1
-    committed = (R.commit_per_position(state, after, R.keep_per_position(state, tapes), n)
-                 if rollback == "per-position" else R.commit_replay(state, after, tapes, n))
+    strategy = R.ROLLBACK[rollback]
+    committed = strategy.commit(state, after, strategy.keep(state, tapes), n)
     next_logits = R.forward(params, cfg, [token], committed)[0]
     mode = "greedy" if sampling.temperature == 0 else "sampling"
     inputs = {"prompt": prompt_ids, "verify_tokens": i64(verify_tokens)}
     if mode == "sampling":
         inputs.update(q=f32(q), uniforms=f32(uniforms))
     return Case(f"spec-{checkpoint}-{label}-{rollback}", "speculative",
-                f"reference.accept_{'greedy' if mode == 'greedy' else 'speculative'}, reference.commit_"
-                + ("per_position" if rollback == "per-position" else "replay"),
+                f"reference.accept_{'greedy' if mode == 'greedy' else 'speculative'}, reference.{strategy.commit.__name__}",
                 f"prefill the prompt, verify [last token + {len(draft)} drafts], accept {accepted}, commit {n} "
                 f"positions by {rollback}, then decode the new token",
                 ("prefill", "decode", "speculative", f"rollback:{rollback}", f"accept:{mode}")
@@ -310,10 +309,11 @@ def prefilled(checkpoint, prompt_len=24):
     return prompt_ids, state, int(np.argmax(logits[-1]))
 
 
-def untied_greedy_path(checkpoint, steps):
+def untied_greedy_path(checkpoint, steps, distinct_last=True):
     """The first prompt (24 tokens or more) whose next `steps` greedy steps are all clear of ties and whose last two
-    differ (so that a bonus token taken from the wrong row shows): (prompt, state after it, its greedy token, the
-    greedy tokens after that, the runner-up token at each step)."""
+    differ (so that a bonus token taken from the wrong row shows; `distinct_last=False`: may repeat, for a random
+    checkpoint with tied embeddings, which mostly predicts its input token again): (prompt, state after it, its
+    greedy token, the greedy tokens after that, the runner-up token at each step)."""
     cfg, params = model(checkpoint)
     for prompt_len in range(24, 48):
         prompt_ids, state, last = prefilled(checkpoint, prompt_len)
@@ -325,15 +325,15 @@ def untied_greedy_path(checkpoint, steps):
             path.append(first)
             runners_up.append(second)
         else:
-            if path[-1] != path[-2]:
+            if path[-1] != path[-2] or not distinct_last:
                 return prompt_ids, state, last, path[1:], runners_up
     raise AssertionError(f"{checkpoint}: every prompt tried has a near-tie in its first {steps} greedy steps, or "
                          "repeats its last token")
 
 
-def spec_greedy_cases(checkpoint, accept_counts):
+def spec_greedy_cases(checkpoint, accept_counts, distinct_last=True):
     """Drafts that follow the greedy path for `a` tokens, then the runner-up token, then noise: every accept count."""
-    prompt_ids, state, last, path, runners_up = untied_greedy_path(checkpoint, max(accept_counts) + 1)
+    prompt_ids, state, last, path, runners_up = untied_greedy_path(checkpoint, max(accept_counts) + 1, distinct_last)
     rng = rng_for(f"spec-greedy-{checkpoint}")
     for a in accept_counts:
         draft = path[:a] + ([runners_up[a]] + list(rng.integers(0, 256, DRAFT_LEN - a - 1)) if a < DRAFT_LEN else [])
