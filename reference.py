@@ -1303,29 +1303,46 @@ def dflash_crop(draft_state, length):  # DFlashState -> the cache of its first `
     return DFlashState(tuple(truncate(cache, length) for cache in draft_state.layers), length)
 
 
+def dflash_taps(dcfg):  # -> the target layers whose outputs are the features, in the order fc reads them
+    return tuple(dcfg.target_layer_ids)
+
+
+def dflash_empty_state(dcfg):  # -> DFlashState with nothing cached
+    Hkv, Dh = dcfg.num_key_value_heads, dcfg.head_dim
+    empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
+    return DFlashState((empty,) * dcfg.num_hidden_layers, 0)
+
+
+def dflash_round(params, dparams, dcfg, draft_state, tapped, last_token, k):
+    """One drafting round: append the features of the newly verified positions (tapped, their target layer outputs),
+    run the block [last_token, MASK x k] at the next positions, crop the block back out -> (logits of the k mask
+    slots (k, V), DFlashState covering the context only). What the conformance kit's dflash cases check."""
+    draft_state = dflash_extend(dparams, dcfg, draft_state, tapped)
+    if not k:
+        return np.zeros((0, len(params["lm_head"])), np.float32), draft_state
+    logits, with_block = dflash_block(params, dparams, dcfg, draft_state,
+                                      dflash_block_tokens([last_token], k, dcfg.mask_token_id))
+    return logits, dflash_crop(with_block, draft_state.length)   # the block's keys and values never stay
+
+
 def dflash_drafter(name, params, cfg, dparams, dcfg, sampled=False):
     """Each round: append the newly verified positions' features (new_hidden, the target's tapped layer outputs),
     run the block [last committed token, MASK x k], propose. argmax with a one-hot q (sampled=False, as vLLM does),
     or each slot drawn independently from the drafter's distribution under the round's sampling, q that
     distribution (sampled=True: exact too, but the slots are not conditioned on each other's draws)."""
     def propose(draft_state, context, new_hidden, k, sampling, rng):
-        draft_state = dflash_extend(dparams, dcfg, draft_state, new_hidden)
-        if draft_state.length != len(context) - 1:   # features for every committed position but the last
-            raise ValueError(f"DFlash: features for {draft_state.length} positions, the context has {len(context)}")
+        if draft_state.length + len(new_hidden) != len(context) - 1:   # features for every committed position but the last
+            raise ValueError(f"DFlash: features for {draft_state.length + len(new_hidden)} positions, the context has "
+                             f"{len(context)}")
+        logits, draft_state = dflash_round(params, dparams, dcfg, draft_state, new_hidden, context[-1], k)
         if not k:
             return *no_drafts(cfg), draft_state
-        logits, with_block = dflash_block(params, dparams, dcfg, draft_state,
-                                          dflash_block_tokens(context, k, dcfg.mask_token_id))
-        draft_state = dflash_crop(with_block, draft_state.length)    # the block's keys and values never stay
         if sampled:
             drawn = [draw(row, sampling, rng) for row in logits]
             return [token for token, _ in drawn], np.stack([p for _, p in drawn]), draft_state
         tokens = [int(t) for t in logits.argmax(axis=-1)]
         return tokens, one_hot(tokens, cfg.vocab_size), draft_state
-    Hkv, Dh = dcfg.num_key_value_heads, dcfg.head_dim
-    empty = AttnState(np.zeros((0, Hkv, Dh), np.float32), np.zeros((0, Hkv, Dh), np.float32))
-    return Drafter(name, DFlashState((empty,) * dcfg.num_hidden_layers, 0), propose,
-                   taps=tuple(dcfg.target_layer_ids))
+    return Drafter(name, dflash_empty_state(dcfg), propose, taps=dflash_taps(dcfg))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2396,7 +2413,7 @@ def parse_layers(spec, text, cfg):  # "1-3,6" -> (1, 2, 3, 6)
     return tuple(sorted(layers))
 
 
-def partial_mlp_drafter(spec, args, params, cfg):
+def partial_mlp_setting(spec, args, cfg):  # "F[:LAYERS]" -> (F, layers)
     fraction, has_layers, layers = args.partition(":")
     try:
         fraction = float(fraction)
@@ -2404,8 +2421,11 @@ def partial_mlp_drafter(spec, args, params, cfg):
         fraction = math.nan
     if not 0 < fraction <= 1:
         raise UserError(f"--draft {spec}: F must be a fraction in (0, 1]")
-    layers = parse_layers(spec, layers, cfg) if has_layers else tuple(range(cfg.num_hidden_layers))
-    return cheapened_drafter(spec, partial_mlp_params(params, cfg, fraction, layers), cfg)
+    return fraction, parse_layers(spec, layers, cfg) if has_layers else tuple(range(cfg.num_hidden_layers))
+
+
+def partial_mlp_drafter(spec, args, params, cfg):
+    return cheapened_drafter(spec, partial_mlp_params(params, cfg, *partial_mlp_setting(spec, args, cfg)), cfg)
 
 
 def residual_layer(spec, text, cfg):

@@ -475,7 +475,7 @@ def tree_speedup(cfg, nodes, depth, tokens_per_call, design, s):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Serving: B sequences decoded at once (jax_impl.serving). Every pass carries B rows per token position, so the
+# Serving: B sequences decoded at once (jax_impl.scheduler). Every pass carries B rows per token position, so the
 # weights are read once for B*T rows: tokens/s grows with B while the weight bytes dominate, and stops growing once
 # the passes turn compute-bound. Speculation multiplies the rows of a pass by K+1 for (1 - a^(K+1)) / (1 - a) tokens
 # a row, so it stops paying at a smaller batch than plain decoding stops scaling.

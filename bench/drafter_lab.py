@@ -278,8 +278,10 @@ def jax_speedups(params, cfg, rows, prompts, new_tokens, repeats, seed=0, on_pro
     speculative sampling at T = 1, over plain sampling of the same prompts, each run interleaved with the others
     (after one compiling run each) -> {spec: speedup}."""
     import jax_impl
-    jparams = jax_impl.to_jax(params)
     ported = [spec for spec in rows if spec.partition(":")[0] in jax_impl.DRAFTERS]
+    if not ported:
+        return {}
+    jparams = jax_impl.to_jax(params)
     runs = [("none", 0)] + [(spec, int(best_k(rows[spec]))) for spec in ported]
     sampling = R.Sampling(1.0)
 
@@ -375,8 +377,9 @@ def label(spec):
     return spec
 
 
-def lab(params, cfg, prompts, discovery, shortlists, new_tokens, positions, repeats):
-    """Everything but the plot -> the results dict (bench/results/cpu/drafter_lab.json's layout)."""
+def lab(params, cfg, prompts, discovery, shortlists, new_tokens, positions, repeats, jax=True):
+    """Everything but the plot -> the results dict (bench/results/cpu/drafter_lab.json's layout); jax: measure the
+    jax_impl column (else None in each row)."""
     context = len(prompts[0]) + new_tokens // 2
     log(f"target runs: {len(prompts)} held-out and {len(discovery)} discovery prompts ...")
     runs = [target_run(params, cfg, p, max(positions, GAP_TOKENS) + 1) for p in prompts]
@@ -409,8 +412,9 @@ def lab(params, cfg, prompts, discovery, shortlists, new_tokens, positions, repe
         row = rows[shown(spec)]
         row["speculation"] = spec_figures[d.name]
         row["predicted_h200"] = predicted_speedup(row["speculation"], row["mac_share"], datasheet_cycle_share(M.H200))
-    log("jax_impl: the ported drafters at their best K, plain sampling interleaved ...")
-    jax_column(params, cfg, rows, specs, prompts, new_tokens, repeats)
+    if jax:
+        log("jax_impl: the ported drafters at their best K, plain sampling interleaved ...")
+    jax_column(params, cfg, rows, specs if jax else [], prompts, new_tokens, repeats)
     return {"model": "weights/default", "prompts": len(prompts), "prompt_tokens": len(prompts[0]),
             "new_tokens": new_tokens, "positions": positions, "block_scan": scan, "decode_ms": decode_s * 1e3,
             "verify_ratios": ratios, "rows": rows}
@@ -420,8 +424,8 @@ def jax_column(params, cfg, rows, specs, prompts, new_tokens, repeats):
     """Each row's jax_impl_speedup (None: a drafter jax_impl does not run)."""
     measured = jax_speedups(params, cfg, {spec: rows[shown(spec)] for spec in specs}, prompts, new_tokens,
                             max(1, repeats // 5), on_progress=log)
-    for spec in specs:
-        rows[shown(spec)]["jax_impl_speedup"] = measured.get(spec)
+    for key, row in rows.items():
+        row["jax_impl_speedup"] = {shown(spec): speedup for spec, speedup in measured.items()}.get(key)
 
 
 # ----------------------------------------------------------------------------------------------------------------

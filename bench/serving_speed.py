@@ -1,4 +1,4 @@
-"""jax_impl serving many requests at once (jax_impl.serving), measured side by side in one run: tokens/s at batch
+"""jax_impl serving many requests at once (jax_impl.scheduler), measured side by side in one run: tokens/s at batch
 B = 1, 4, 16, 64 on the default and the ~30M-parameter checkpoints, plain batched decoding beside speculative
 decoding with the n-gram and MTP drafters, and the single-request loop (jax_impl.generate) at B = 1:
 
@@ -13,7 +13,7 @@ copy_prompt with its own seed, --prompt-len tokens), greedy, K = --draft-len, re
 = all generated tokens / wall seconds from the first submit to the last token (prefill included; compilation
 excluded: a first run of each server shape compiles), best of --repeats. The server reads its results back every
 --steps-per-sync steps: by default once for a request's 64 new tokens, as the single-request loop does (a server
-that streams tokens, jax_impl.serving's default of 16, pays a millisecond or two a sync here). The single-request
+that streams tokens, jax_impl.scheduler's default of 16, pays a millisecond or two a sync here). The single-request
 column is jax_impl.generate's tokens / wall seconds of the call (after a first, compiling call) for one of the same
 requests, best of a run before the batches and one after each B = 1 repeat (interleaved: this machine's speed drifts
 between minutes). Decode only: the same figures with the prefill left out (the run's time less that of the same
@@ -42,7 +42,7 @@ from bench.costmodel import (BF16, FP32, PUBLISHED, Setting, acceptance_of, comp
                              serving_tokens_per_second)
 from bench.jax_speed import agreement, gemv_bandwidth, weight_bytes_per_token
 from jax_impl import batch
-from jax_impl.serving import Server
+from jax_impl.scheduler import Server
 from jax_impl.weights import DTYPES
 
 DRAFTS = ("none", "ngram", "mtp")

@@ -91,6 +91,17 @@ def requests(engine, handles, batched_traces):
         logits, hidden, new = engine.mtp_draft(model(r), mtp_state, r["tokens"], r["hidden"], r["chain"])
         return {"logits": logits, "hidden": hidden, "mtp_state": handles.new(new)}
 
+    def dflash_features(r):
+        features, new = engine.dflash_features(model(r), handles[r["drafter"]],
+                                               None if r["state"] is None else state(r), r["tokens"])
+        return {"features": features, "state": handles.new(new)}
+
+    def dflash_draft(r):
+        dflash_state = None if r["dflash_state"] is None else state(r, "dflash_state")
+        logits, new = engine.dflash_draft(model(r), handles[r["drafter"]], dflash_state, r["features"],
+                                          r["last_token"], r["k"])
+        return {"logits": logits, "dflash_state": handles.new(new)}
+
     def run_trace(r):
         steps = engine.run_trace(model(r), r["batches"], r["rollback"], r["slots"])
         return {"steps": [{"batch": b, "step": s, "outputs": out} for b, s, out in steps]}
@@ -115,6 +126,11 @@ def requests(engine, handles, batched_traces):
         "mtp_hidden": mtp_hidden,
         "mtp_draft": mtp_draft,
         "export_mtp_state": lambda r: {"tensors": engine.export_mtp_state(model(r), state(r, "mtp_state"))},
+        "load_dflash": lambda r: {"drafter": handles.new(engine.load_dflash(model(r), r["drafter"]))},
+        "dflash_features": dflash_features,
+        "dflash_draft": dflash_draft,
+        "export_dflash_state": lambda r: {"tensors": engine.export_dflash_state(model(r), handles[r["drafter"]],
+                                                                                state(r, "dflash_state"))},
         "copy_state": lambda r: {"state": handles.new(engine.copy_state(model(r), state(r)))},
         "free": lambda r: handles.free(r["handles"]) or {},
     }

@@ -21,13 +21,14 @@ from . import rules
 SPEC = {name: getattr(R, name) for name in ("rms_norm", "rms_norm_gated", "rope", "causal_conv1d", "gated_attention",
                                             "probabilities", "commit_per_position", "replay",
                                             "gated_delta_tree_chunked", "tree_delta_states", "tree_conv_windows",
-                                            "commit_tree")}
+                                            "commit_tree", "dflash_taps")}
 
-WHOLE_MODEL = frozenset({"forward", "greedy", "speculative", "tree", "trace", "mtp"})
+WHOLE_MODEL = frozenset({"forward", "greedy", "speculative", "tree", "trace", "mtp", "dflash"})
 TREE = frozenset({"tree"})
 DELTANET = frozenset({"deltanet_layer"}) | WHOLE_MODEL
 ATTENTION = frozenset({"attention_layer"}) | WHOLE_MODEL
 DECISIONS = frozenset({"speculative", "trace"})
+DFLASH = frozenset({"dflash"})
 
 
 class Mistake(NamedTuple):
@@ -292,6 +293,34 @@ def tree_chain_rule_outcomes(tokens, parents, q, p):  # (N,), (N,), (N-1, V), (N
     return rows
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# A DFlash drafter (none of these changes a token under exact verification: they lose acceptance only)
+
+def dflash_mask_in_first_slot(context, k, mask_token_id):
+    """The block is [MASK x (k + 1)]: the last committed token not put in its first slot."""
+    return [mask_token_id] * (k + 1)
+
+
+def dflash_not_cropped(draft_state, length):
+    """The block's keys and values kept in the drafter's cache after the round."""
+    return draft_state
+
+
+def dflash_taps_one_early(dcfg):
+    """Each tapped layer's input instead of its output: Hugging Face's hidden_states[i] for layer i, not [i + 1]."""
+    return tuple(i - 1 for i in SPEC["dflash_taps"](dcfg))
+
+
+def dflash_taps_sorted(dcfg):
+    """The right layers concatenated in ascending order instead of the order the config lists them."""
+    return tuple(sorted(SPEC["dflash_taps"](dcfg)))
+
+
+def dflash_features_without_norm(dparams, dcfg, tapped):
+    """The projected features fed to the drafter layers without hidden_norm."""
+    return tapped @ dparams["fc"].T
+
+
 CATALOGUE = (
     Mistake("decay-after-write", "the delta rule decays the state after writing the correction (the correction "
             "computed against the undecayed state)", frozenset({"gated_delta_rule"}) | DELTANET,
@@ -357,6 +386,16 @@ CATALOGUE = (
     Mistake("tree-chain-rule-on-siblings", "tree acceptance by the chain rule min(1, p/q) on each edge with the "
             "parent's own p (no residual between siblings): biased for a drafter's top-k (warpfront/hipfire#483)",
             TREE, {"accept_tree_speculative": tree_chain_rule_on_siblings}),
+    Mistake("dflash-mask-in-first-slot", "DFlash: the block's first slot holds a mask token instead of the last "
+            "committed token", DFLASH, {"dflash_block_tokens": dflash_mask_in_first_slot}),
+    Mistake("dflash-not-cropped", "DFlash: the block's keys and values stay in the drafter's cache after the round "
+            "(no crop back to the committed length)", DFLASH, {"dflash_crop": dflash_not_cropped}),
+    Mistake("dflash-taps-one-early", "DFlash: each tapped layer's input instead of its output (Hugging Face's "
+            "hidden_states[i] instead of hidden_states[i + 1])", DFLASH, {"dflash_taps": dflash_taps_one_early}),
+    Mistake("dflash-taps-sorted", "DFlash: the tapped layers concatenated in ascending order instead of the config's "
+            "order", DFLASH, {"dflash_taps": dflash_taps_sorted}),
+    Mistake("dflash-features-without-norm", "DFlash: the projected target features fed to the drafter without "
+            "hidden_norm", DFLASH, {"dflash_features": dflash_features_without_norm}),
 )
 MISTAKES = {mistake.name: mistake for mistake in CATALOGUE}
 

@@ -63,6 +63,9 @@ FEATURES = {
     # the MTP head as a drafter (Engine.mtp_hidden, mtp_draft; INTERPRETING.md section 4)
     "mtp": "the target's final-normed hidden states for the MTP head; the head over (hidden, next token) pairs with "
            "its own KV cache, chained on its own output hidden state",
+    # a DFlash block drafter (Engine.load_dflash, dflash_features, dflash_draft; INTERPRETING.md section 4)
+    "dflash": "the target layer outputs a DFlash drafter taps; the drafter's block [last committed token, MASK x K] "
+              "over its context cache of projected, normed features, cropped back after each round",
     # the statistical pack: draws with the engine's own random numbers (Engine.draw, accept_draws; `sample` mode)
     "draws": "draw tokens from given logits many times with the engine's own random numbers",
     "accept:draws": "speculative sampling of given drafts many times with the engine's own random numbers",
@@ -188,6 +191,11 @@ def checkpoint_sha256(name):
     return directory_sha256(checkpoint_dir(name))
 
 
+def checkpoint_entry(name):
+    """How a manifest names a checkpoint directory under weights/ (the case's, and a dflash case's drafter)."""
+    return {"name": name, "path": f"weights/{name}", "sha256": checkpoint_sha256(name)}
+
+
 def bounds(tolerance):
     """A tolerances.json entry as a manifest carries it: without the `why`s, its precision profiles included."""
     return {k: bounds(v) if isinstance(v, dict) else v for k, v in tolerance.items() if k != "why"}
@@ -213,8 +221,7 @@ def manifest(case, file_digests):
         if out.test:
             entry["test"] = {**out.test, "bins": f"{name}.bins"}
         outputs[name] = entry
-    checkpoint = None if case.checkpoint is None else {
-        "name": case.checkpoint, "path": f"weights/{case.checkpoint}", "sha256": checkpoint_sha256(case.checkpoint)}
+    checkpoint = None if case.checkpoint is None else checkpoint_entry(case.checkpoint)
     return {"suite_version": SUITE_VERSION, "name": case.name, "kind": case.kind, "spec": case.spec,
             "description": case.description, "features": list(case.features), "attrs": case.attrs,
             "checkpoint": checkpoint, "outputs": outputs, "files": file_digests}
@@ -266,11 +273,11 @@ def read_manifest(folder):
             raise GoldenError(data_path, "missing")
         if sha256_file(data_path) != digest:
             raise GoldenError(data_path, "sha256 differs from case.json (corrupted or hand-edited)")
-    checkpoint = meta.get("checkpoint")
-    if checkpoint and not checkpoint_dir(checkpoint["name"]).is_dir():
-        raise GoldenError(ROOT / checkpoint["path"], f"checkpoint named by {path} is missing")
-    if checkpoint and checkpoint_sha256(checkpoint["name"]) != checkpoint["sha256"]:
-        raise GoldenError(ROOT / checkpoint["path"], f"checkpoint changed since {path} was generated")
+    for checkpoint in (meta.get("checkpoint"), (meta.get("attrs") or {}).get("drafter")):
+        if checkpoint and not checkpoint_dir(checkpoint["name"]).is_dir():
+            raise GoldenError(ROOT / checkpoint["path"], f"checkpoint named by {path} is missing")
+        if checkpoint and checkpoint_sha256(checkpoint["name"]) != checkpoint["sha256"]:
+            raise GoldenError(ROOT / checkpoint["path"], f"checkpoint changed since {path} was generated")
     return meta
 
 

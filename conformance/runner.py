@@ -16,8 +16,8 @@ import safetensors.numpy
 from . import diagnosis, reference as R
 from .chisquare import bin_totals, chi_square
 from .engines import get_engine
-from .format import (CASES_DIR, EXPECTED, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs, features_named, read_manifest,
-                     read_tensors, trace_batches)
+from .format import (CASES_DIR, EXPECTED, HERE, INPUTS, ROOT, SUITE_VERSION, case_dirs, checkpoint_dir, features_named,
+                     read_manifest, read_tensors, trace_batches)
 
 # Actual outputs of failing cases, for inspection: relative, so under the directory the run starts in (never inside
 # the installed kit).
@@ -143,6 +143,25 @@ def drive_mtp(engine, meta, inputs, expected, model):
     return actual
 
 
+def drive_dflash(engine, meta, inputs, expected, model):
+    """Rounds of a DFlash drafter (INTERPRETING.md section 4): the target consumes each round's tokens (the features
+    it taps are compared); the drafter, fed the round's given features, drafts the block after the given last token.
+    Outputs named r<round>.<output>."""
+    drafter = engine.load_dflash(model, checkpoint_dir(meta["attrs"]["drafter"]["name"]))
+    state = dflash_state = None
+    actual = {}
+    for r, k in enumerate(meta["attrs"]["draft_lens"]):
+        def named(name):
+            return f"r{r}.{name}"
+        actual[named("target_features")], state = engine.dflash_features(model, drafter, state, inputs[named("tokens")])
+        actual[named("block_logits")], dflash_state = engine.dflash_draft(
+            model, drafter, dflash_state, inputs[named("features")], int(inputs[named("last")][0]), k)
+        if "state_export" in engine.features:
+            actual.update({named(f"dflash_{n}"): v for n, v in
+                           engine.export_dflash_state(model, drafter, dflash_state).items()})
+    return actual
+
+
 def drive_sampling_draws(engine, meta, inputs, expected, model):
     """The statistical pack: n tokens drawn from each row with the engine's own random numbers -> their counts."""
     logits, n = inputs["logits"], meta["attrs"]["draws"]
@@ -187,7 +206,7 @@ def drive_tree_draws(engine, meta, inputs, expected, model):
 
 DRIVERS = {"forward": drive_forward, "greedy": drive_greedy, "sampling": drive_sampling,
            "speculative": drive_speculative, "tree": drive_tree, "trace": drive_trace, "mtp": drive_mtp,
-           "sampling_draws": drive_sampling_draws, "speculative_draws": drive_speculative_draws,
+           "dflash": drive_dflash, "sampling_draws": drive_sampling_draws, "speculative_draws": drive_speculative_draws,
            "tree_draws": drive_tree_draws}
 STATISTICAL = ("sampling_draws", "speculative_draws", "tree_draws")      # the cases of `sample` mode, which `run` leaves out
 

@@ -2,7 +2,7 @@
 
     cfg, params = jax_impl.load("weights/default")
     tokens, stats = jax_impl.generate(params, cfg, prompt_ids, 64, draft="ngram", draft_len=4)
-    server = jax_impl.Server(params, cfg, slots=16)          # many requests at once (serving.py, batch.py)
+    server = jax_impl.Server(params, cfg, slots=16)          # many requests at once (scheduler.py, batch.py)
     results = server.generate([dict(prompt=p, max_new_tokens=64, draft="ngram") for p in prompts])
 
 Engine verbs (the conformance adapter's): load; empty_state(cfg, capacity); prefill(params, cfg, tokens, state)
@@ -37,7 +37,7 @@ EXPORTS = {
               "kv_to_reference", "lm_head", "prefill", "verify"),
     "rollback": ("commit_per_position", "commit_replay", "conv_window", "conv_windows", "delta_states",
                  "keep_per_position", "replay"),
-    "serving": ("Server",),
+    "scheduler": ("Server",),
     "sharding": ("initialize_distributed", "make_mesh"),
     "spec_decode": ("DRAFTERS", "accept_greedy", "accept_speculative", "compiled", "draw", "generate",
                     "generate_device", "mtp_hidden", "mtp_step", "mtp_update", "probabilities", "prompt_lookup",

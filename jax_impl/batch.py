@@ -1,7 +1,7 @@
 """Many requests at once on the device: B request slots and one jit-compiled step in which each slot's row does its
 own thing (a prefill chunk, a verify of its own number of drafts, or nothing), accepts its own count with its own key
 and rolls back its own state. A step is spec_decode.request_step, the single-request loop's step, vmapped over the
-slots, so each request gets the tokens of its own single-request run; serving.py drives it from the host, and the
+slots, so each request gets the tokens of its own single-request run; scheduler.py drives it from the host, and the
 conformance adapter drives its pieces (target_pass, decide, commit_kept) through the serving traces (explicit_step).
 
 Slots hold the target State with a leading slot axis (DeltaState conv (B, W-1, C), S (B, Hv, Dk, Dv); AttnState
@@ -53,6 +53,9 @@ def prefill_width(tokens):
 def compiled_drafters(features):
     """The drafters a step with these Features computes for its rows: prompt lookup always, the MTP head if asked."""
     return ("ngram",) + (("mtp",) if features.mtp else ())
+
+
+SERVED_DRAFTERS = ("none", *compiled_drafters(Features(mtp=True)))   # a request's drafter in a server (no arguments)
 
 
 class Slots(NamedTuple):

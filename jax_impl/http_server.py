@@ -307,7 +307,7 @@ def serve(args):
         from aiohttp import web
     except ModuleNotFoundError as e:
         raise reference.missing_extra(e, "jax", "python -m jax_impl.http_server") from None
-    from .injected_bugs import server_class  # before spec_decode, batch and serving are imported: it may mutate them
+    from .injected_bugs import server_class  # before spec_decode, batch and scheduler are imported: it may mutate them
     server_class = server_class(args.inject_bug)
     from . import batch
     matvec.set_mode(args.matvec)

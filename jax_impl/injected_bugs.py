@@ -1,5 +1,5 @@
 """Deliberate scheduler and serving bugs for jax_impl's HTTP server (python -m jax_impl.http_server --inject-bug NAME):
-each is a one-line change to batch.py, serving.py or spec_decode.py of the kind a real engine shipped, applied to the
+each is a one-line change to batch.py, scheduler.py or spec_decode.py of the kind a real engine shipped, applied to the
 module's source when the server starts (before anything imports it). tests/test_check_server.py serves with each and
 requires `check-server` to fail naming a scenario; conformance/INTERPRETING.md lists them. Without the flag nothing here runs.
 
@@ -20,7 +20,7 @@ class Bug(NamedTuple):
     name: str
     does: str              # what the server then gets wrong
     mirrors: str           # the published bug it stands for ("" where there is none to cite)
-    module: str            # spec_decode (a request's step, sampling, acceptance), batch or serving
+    module: str            # spec_decode (a request's step, sampling, acceptance), batch or scheduler
     original: str          # a line of the module, without its indentation: it must occur exactly once
     replacement: str
     caught_by: str         # a scenario that catches it (the test runs this one)
@@ -45,7 +45,7 @@ CATALOGUE = (
         "row = row._replace(state=source.state._replace(length=source.state.length + (restored is not None)), "
         "drafts=source.drafts, buf=prompt, ntok=settings.prompt_len,", "shared-prefix-cache"),
     Bug("cache-key-unchecked", "the prefix cache matches any cached prompt no longer than the new one (the tokens "
-        "not compared: a hash or key collision)", "vllm#43559", "serving",
+        "not compared: a hash or key collision)", "vllm#43559", "scheduler",
         "if (len(key) <= len(r.prompt) and r.prompt[:len(key)] == key and (entry.mtp or r.draft != \"mtp\")",
         "if (len(key) <= len(r.prompt) and (entry.mtp or r.draft != \"mtp\")", "shared-prefix-cache"),
     Bug("chunk-offset-off-by-one", "every prompt chunk after the first starts one token late",
@@ -74,12 +74,12 @@ CATALOGUE = (
         "max_tokens", "", "spec_decode",
         "return drafts, q, jnp.minimum(m, settings.limit - (row.ntok - settings.prompt_len) - 1)",
         "return drafts, q, m", "speculative-acceptance-mix"),
-    Bug("max-tokens-off-by-one", "a request generates one token more than max_tokens", "", "serving",
+    Bug("max-tokens-off-by-one", "a request generates one token more than max_tokens", "", "scheduler",
         "np.int32(DRAFTER_NAMES.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),",
         "np.int32(DRAFTER_NAMES.index(r.draft)), np.int32(K), np.int32(limit + 1), np.int32(len(r.prompt)),",
         "single-greedy"),
     Bug("event-skips-a-token", "the host reports one token fewer than were committed at each read-back (a "
-        "streamed token lost between syncs)", "", "serving",
+        "streamed token lost between syncs)", "", "scheduler",
         "self.live[index] = live = live._replace(emitted=generated)",
         "self.live[index] = live = live._replace(emitted=generated + (not done))", "long-generations"),
     Bug("stop-not-cleared-on-reuse", "a slot's stop ids are the union of its own and the previous request's",
@@ -93,12 +93,12 @@ CATALOGUE = (
         "pick = select(prefilling, jnp.maximum(jnp.minimum(valid, T - 1), 0), jnp.arange(K + 1))",
         "max-tokens-1"),
     Bug("tokens-to-neighbour", "while a request runs, its new tokens are reported under the request in the slot "
-        "before it (one request's tokens delivered to another)", "", "serving",
+        "before it (one request's tokens delivered to another)", "", "scheduler",
         "events.append(Event(live.id, new, bool(done)))",
         "events.append(Event(self.live[index - 1].id if index and self.live[index - 1] and not done else live.id, "
         "new, bool(done)))", "concurrency-64"),
     Bug("sampled-temperature-dropped", "a sampled request's temperature reaches the sampler as 1 (the API's default "
-        "put in place of the request's own)", "z-lab/dflash#74", "serving",
+        "put in place of the request's own)", "z-lab/dflash#74", "scheduler",
         "np.float32(r.sampling.temperature), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),",
         "np.float32(r.sampling.temperature and 1.0), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),",
         "sampled-first-token"),
@@ -111,7 +111,7 @@ CATALOGUE = (
         "ok = (u[:K] < jnp.minimum(1, p_x / q_x)) & (jnp.arange(K) < m)",
         "ok = (u[:K] < jnp.minimum(1, q_x / p_x)) & (jnp.arange(K) < m)", "sampled-speculative"),
     Bug("logprobs-one-token-late", "each returned log-probability is the previous token's (the log-probabilities "
-        "read one position behind the tokens)", "", "serving",
+        "read one position behind the tokens)", "", "scheduler",
         "events[-1] = events[-1]._replace(logprobs=logprob[index, P + live.emitted:P + generated].tolist())",
         "events[-1] = events[-1]._replace(logprobs=logprob[index, P + live.emitted - 1:P + generated - 1].tolist())",
         "single-greedy"),
@@ -165,7 +165,7 @@ def server_class(name):
     """The Server class to serve with, the named bug installed first (None: no bug)."""
     if name is not None:
         install(name)
-    from .serving import Server
+    from .scheduler import Server
     return Server
 
 

@@ -1,4 +1,4 @@
-"""python -m jax_impl.jsonl: many prompts at once through jax_impl's batched engine (serving.Server).
+"""python -m jax_impl.jsonl: many prompts at once through jax_impl's batched engine (scheduler.Server).
 
     python -m jax_impl.jsonl --requests REQUESTS.jsonl --out RESULTS.jsonl [--model DIR] [--slots 16]
         [--context N] [--rollback replay] [--dtype float32] [--devices N] [--matvec auto] [--steps-per-sync 16]
@@ -20,7 +20,7 @@ import sys
 import time
 
 from . import matvec, reference
-from .serving import Request, Server, check_request
+from .scheduler import Request, Server, check_request
 from .sharding import make_mesh
 from .weights import DTYPES, load
 
@@ -50,7 +50,7 @@ def parse_args(argv):
 
 
 def request_of(fields, tokenizer):
-    """One line's object -> Request, its settings typed (reference.json_setting); serving.check_request checks them
+    """One line's object -> Request, its settings typed (reference.json_setting); scheduler.check_request checks them
     as the command lines do, named by their fields."""
     if not isinstance(fields, dict):
         raise UserError("expected a JSON object")

@@ -1,11 +1,11 @@
 """The Qwen3.5 hybrid model in JAX: pure functions over the weights pytree (reference.load_model's nested dict, as jax
 arrays) and an explicit state pytree (reference.State / DeltaState / AttnState with static shapes), plus the
 jit-compiled entry points prefill, decode, verify and commit. Reads side by side with reference.py; the axis
-letters are its legend (T tokens, S cache slots, D hidden, ...).
+letters are its legend (T tokens, S cache positions, D hidden, ...).
 
 Differences from the reference, all forced by fixed shapes:
-  * AttnState.k / .v are preallocated buffers of `capacity` slots; State.length says how many are live. Truncating a
-    KV cache is setting the length: slots past it are never visible (causal mask by position) and are overwritten
+  * AttnState.k / .v are preallocated buffers of `capacity` positions; State.length says how many are live. Truncating a
+    KV cache is setting the length: positions past it are never visible (causal mask by position) and are overwritten
     by the next call. Keys are (Hkv, S, Dh) and values (Hkv, Dh, S), where the reference has (S, Hkv, Dh): each
     attention dot then contracts its operands' last axis, which XLA:CPU reads in place; with the reference's layout
     it copied both whole caches every step (30% of a decode step at 2000 tokens of context).
@@ -85,12 +85,12 @@ def kv_from_reference(kv):  # the reference's (S, Hkv, Dh) keys and values -> ja
     return AttnState(kv.k.swapaxes(0, 1), kv.v.transpose(1, 2, 0))
 
 
-def kv_to_reference(kv, n):  # jax_impl's layout -> the reference's (n, Hkv, Dh): the first n slots
+def kv_to_reference(kv, n):  # jax_impl's layout -> the reference's (n, Hkv, Dh): the first n positions
     return AttnState(kv.k[:, :n].swapaxes(0, 1), kv.v[:, :, :n].transpose(2, 0, 1))
 
 
 def empty_state(cfg, capacity, dtype=f32):
-    """Zero state with `capacity` attention slots; DeltaNet S is fp32, conv windows and KV in the model dtype."""
+    """Zero state with `capacity` attention positions; DeltaNet S is fp32, conv windows and KV in the model dtype."""
     C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
     Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     layers = tuple(DeltaState(jnp.zeros((W - 1, C), dtype), jnp.zeros((Hv, Dk, Dv), f32))
@@ -138,7 +138,7 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     new = kv_from_reference(AttnState(k, v))                     # (Hkv, T, Dh), (Hkv, Dh, T)
     keys = lax.dynamic_update_slice_in_dim(state.k, new.k.astype(state.k.dtype), positions[0], 1)
     values = lax.dynamic_update_slice_in_dim(state.v, new.v.astype(state.v.dtype), positions[0], 2)
-    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]          # (T, S) causal; hides stale slots
+    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]          # (T, S) causal; hides stale positions
     out = gqa_attention(q, keys, values, visible).reshape(T, Hq * Dh)           # (T, Hq*Dh)
     return matmul(out * jax.nn.sigmoid(gate), o_proj), AttnState(keys, values)
 
@@ -161,7 +161,7 @@ def sparse_moe(x, cfg, gate, experts, shared_expert, shared_expert_gate):  # (T,
     """Softmax router, top-k renormalised, plus a gated shared expert. Each token gathers only its k experts'
     weights (e indexes the chosen ones), so a decode step reads k experts, not E."""
     top, top_weights = route(matmul(x, gate), cfg.num_experts_per_tok)       # (T, k) x2
-    F = cfg.moe_intermediate_size
+    F = experts["down_proj"].shape[-1]                                        # moe_intermediate_size
     gate_up = jnp.einsum("td,tefd->tef", x, experts["gate_up_proj"][top])    # (T, k, 2F)  gate rows first
     y = jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]                     # (T, k, F)
     out = jnp.einsum("te,tef,tedf->td", top_weights.astype(x.dtype), y, experts["down_proj"][top])

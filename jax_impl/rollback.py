@@ -1,7 +1,7 @@
 """Rollback after a verify pass, as in reference.py's section of the same name, all traceable so that the generate
 loop runs it on device. A verify pass runs the target over [last committed token, K drafts]; acceptance keeps the
 first n of those K+1 positions, and the state must become the state after them. Attention only moves the length
-(model.py's KV buffers hide slots past it). A DeltaNet layer has absorbed all K+1 positions, so one of two exact
+(model.py's KV buffers hide positions past it). A DeltaNet layer has absorbed all K+1 positions, so one of two exact
 strategies rebuilds it:
     per-position   at verify time keep the conv window and S after every position; commit is an index.
     replay         keep the verify pass's Tape (qkv, k, g, delta); commit replays the n kept steps from the

@@ -127,7 +127,8 @@ def accept_speculative(draft, m, q, p, u):  # (K,), m, (K, V), (K+1, V), (K+1,) 
 #   empty(params, cfg, capacity, dtype) -> draft_state    before any token (fixed shapes; None: it keeps no state)
 #   propose(params, cfg, arrays, draft_state, state, buf, ntok, K, want, sampling, key) -> drafts (K,), q (K, V), m
 #   update(params, cfg, draft_state, tokens, hidden, n) -> draft_state    the target kept n positions of a pass
-#   arrays(params, cfg, spec, K, ngram_table) -> constant arrays it reads (on the host, once per run; None: none)
+#   prepare(params, cfg, spec, K, ngram_table) -> the constant arrays it reads (None: none), on the host once per run;
+#                                                it checks the --draft spec and the checkpoint (reference.UserError)
 # `buf[:ntok]` is the context, `state` the target's committed state (it has consumed all of it but the last token);
 # want <= K is the request's own draft length (a batch row's, traced; K, static, in the single-request loop).
 # `tokens` (T,) holds the token after each position of the pass, `hidden` (T, D) the target's final-normed hidden
@@ -138,7 +139,7 @@ class DeviceDrafter(NamedTuple):
     empty: Callable
     propose: Callable
     update: Callable
-    arrays: Callable = lambda params, cfg, spec, K, ngram_table: None
+    prepare: Callable
 
 
 def no_state(params, cfg, capacity, dtype):
@@ -199,7 +200,7 @@ def ngram_propose(params, cfg, table, draft_state, state, buf, ntok, K, want, sa
 
 
 NGRAM = DeviceDrafter(no_state, ngram_propose, same_state,
-                      arrays=lambda params, cfg, spec, K, ngram_table: table_arrays(ngram_table, K))
+                      lambda params, cfg, spec, K, ngram_table: table_arrays(ngram_table, K))
 
 
 def mtp_hidden(params, cfg, tokens, hidden, state, valid=None):  # (T,), (T, D) -> hidden (T, D), State
@@ -218,19 +219,6 @@ def mtp_empty(params, cfg, capacity, dtype):
     return State((empty_kv(cfg, capacity, dtype),), jnp.int32(0)), jnp.zeros(cfg.hidden_size, dtype)
 
 
-def mtp_propose(params, cfg, arrays, draft_state, state, buf, ntok, K, want, sampling, key):
-    """Chain the head K times on its own output hidden state and drafted token; the chain's KV is dropped (the kept
-    state covers committed pairs only; later writes overwrite it). The K-th forward is unused, a fixed-shape cost.
-    The chain is unrolled: K is small and static, and a loop iteration costs a round trip to the host on a GPU."""
-    def step(carry, key):
-        h, head = carry
-        token, q = draw(lm_head(params, h), sampling, key)
-        return mtp_step(params, cfg, token, h, head), (token, q)
-    head, h = draft_state
-    _, (drafts, q) = lax.scan(step, (h, head), jax.random.split(key, K), unroll=True)
-    return drafts, q, want
-
-
 def mtp_step(params, cfg, token, h, state):  # (), (D,) -> the head's output hidden (D,), State
     """One step of the chain: the head fed its own output hidden state and the token drafted from it."""
     out, state = mtp_hidden(params, cfg, token[None], h[None], state)
@@ -243,10 +231,110 @@ def mtp_update(params, cfg, draft_state, tokens, hidden, n):
     return state, jnp.where(n > 0, out[jnp.maximum(n - 1, 0)], draft_state[1])
 
 
-MTP = DeviceDrafter(mtp_empty, mtp_propose, mtp_update)
+def mtp_chain(params, cfg, draft_state, K, key, pick):
+    """Chain the head K times on its own output hidden state and the token pick(h, key) -> (token, q (V,)) drafts from
+    it; the chain's KV is dropped (the kept state covers committed pairs only; later writes overwrite it). The K-th
+    forward is unused, a fixed-shape cost. The chain is unrolled: K is small and static, and a loop iteration costs a
+    round trip to the host on a GPU. -> drafts (K,), q (K, V)"""
+    def step(carry, key):
+        h, head = carry
+        token, q = pick(h, key)
+        return mtp_step(params, cfg, token, h, head), (token, q)
+    head, h = draft_state
+    _, (drafts, q) = lax.scan(step, (h, head), jax.random.split(key, K), unroll=True)
+    return drafts, q
 
-DRAFTERS = {"ngram": NGRAM, "mtp": MTP}          # the drafters jax_impl runs on device, single-request and batched
+
+def mtp_propose(params, cfg, arrays, draft_state, state, buf, ntok, K, want, sampling, key):
+    """The MTP head's chain, each draft drawn from the shared lm_head's logits."""
+    drafts, q = mtp_chain(params, cfg, draft_state, K, key, lambda h, key: draw(lm_head(params, h), sampling, key))
+    return drafts, q, want
+
+
+def mtp_prepare(params, cfg, spec, K, ngram_table):
+    reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer
+
+
+MTP = DeviceDrafter(mtp_empty, mtp_propose, mtp_update, mtp_prepare)
+
+
+def shortlist_prepare(params, cfg, spec, K, ngram_table):
+    """reference's mtp-shortlist:PATH: the shortlist ids (S,) and their lm_head columns (D, S), the head's output
+    projection."""
+    mtp_prepare(params, cfg, spec, K, ngram_table)
+    ids = reference.read_shortlist(spec.partition(":")[2], cfg.vocab_size)
+    return jnp.asarray(ids, i32), params["lm_head"][:, ids]
+
+
+def shortlist_propose(params, cfg, arrays, draft_state, state, buf, ntok, K, want, sampling, key):
+    """The MTP head over a vocabulary shortlist: each draft is drawn among the S shortlist ids from the head's logits
+    over them; q is that distribution on the vocabulary, zero outside (which keeps acceptance exact)."""
+    ids, head = arrays
+
+    def pick(h, key):
+        index, p = draw(matmul(h, head, preferred_element_type=f32), sampling, key)
+        return ids[index], jnp.zeros(cfg.vocab_size, f32).at[ids].set(p)
+    drafts, q = mtp_chain(params, cfg, draft_state, K, key, pick)
+    return drafts, q, want
+
+
+MTP_SHORTLIST = DeviceDrafter(mtp_empty, shortlist_propose, mtp_update, shortlist_prepare)
+
+
+def partial_mlp_prepare(params, cfg, spec, K, ngram_table):
+    """reference's partial-mlp:F[:LAYERS]: per layer its SwiGLUs cut to the first round(F * their width) (at least 1)
+    intermediate channels (None: a layer kept whole), as reference.partial_mlp_params cuts them (weights stored
+    (in, out) here: the first columns of gate_proj and up_proj, the first rows of down_proj; MoE: every routed expert
+    and the shared expert alike, the router whole)."""
+    fraction, layers = reference.partial_mlp_setting(spec, spec.partition(":")[2], cfg)
+
+    def kept(F):
+        return max(1, round(fraction * F))
+
+    def swiglu(m):
+        f = kept(m["gate_proj"].shape[1])
+        return {"gate_proj": m["gate_proj"][:, :f], "up_proj": m["up_proj"][:, :f], "down_proj": m["down_proj"][:f]}
+
+    def moe(m):
+        gate_up, down = m["experts"]["gate_up_proj"], m["experts"]["down_proj"]        # (E, 2F, D), (E, D, F)
+        F = down.shape[-1]
+        f = kept(F)
+        experts = {"gate_up_proj": jnp.concatenate([gate_up[:, :f], gate_up[:, F:F + f]], axis=1),
+                   "down_proj": down[..., :f]}
+        return {**m, "experts": experts, "shared_expert": swiglu(m["shared_expert"])}
+    cut = moe if cfg.is_moe else swiglu
+    return tuple(cut(layer["mlp"]) if i in layers else None for i, layer in enumerate(params["layers"]))
+
+
+def partial_mlp_propose(params, cfg, cut, draft_state, state, buf, ntok, K, want, sampling, key):
+    """Draft through the target's layers with the cut SwiGLUs, from the target's committed state: the draft
+    positions' writes go to the drafter's copy of it, dropped after the round (the next round starts from the
+    target's state again, reference.cheapened_drafter's observe)."""
+    cheap = {**params, "layers": [layer if m is None else {**layer, "mlp": m}
+                                  for layer, m in zip(params["layers"], cut)]}
+
+    def step(carry, key):
+        token, own = carry
+        hidden, own, _ = forward_hidden(cheap, cfg, token[None], own)
+        token, q = draw(lm_head(params, hidden[0]), sampling, key)
+        return (token, own), (token, q)
+    _, (drafts, q) = lax.scan(step, (buf[ntok - 1], state), jax.random.split(key, K), unroll=True)
+    return drafts, q, want
+
+
+PARTIAL_MLP = DeviceDrafter(no_state, partial_mlp_propose, same_state, partial_mlp_prepare)
+
+# name (a --draft spec's part before ":") -> DeviceDrafter: the drafters jax_impl runs on device
+DRAFTERS = {"ngram": NGRAM, "mtp": MTP, "mtp-shortlist": MTP_SHORTLIST, "partial-mlp": PARTIAL_MLP}
 DRAFTER_NAMES = ("none", *DRAFTERS)              # a request's drafter; a batch row holds its index here
+
+
+def drafter_name(spec):
+    """A --draft spec's drafter: partial-mlp:0.25 -> partial-mlp; None when jax_impl runs no such form (a name that
+    takes arguments without them, or the other way round)."""
+    name, _, args = spec.partition(":")
+    takes_args = name in reference.SELF_SPECULATIVE
+    return name if name in DRAFTER_NAMES and bool(args) == takes_args else None
 
 
 def empty_drafts(params, cfg, drafters, capacity, dtype):
@@ -400,7 +488,7 @@ def counted(stats, decoding, m, accepted):
 def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, features, drafters, prefills):
     """One step of one request -> its Row after it: a speculative round of width K (or a plain step, K = 0) when
     DECODE, a prompt chunk of up to T tokens when PREFILL (compiled in only if `prefills`: some row may prefill),
-    nothing otherwise. drafters: the names compiled in (DRAFTERS); arrays: their constant arrays (DeviceDrafter.arrays)."""
+    nothing otherwise. drafters: the names compiled in (DRAFTERS); arrays: their constant arrays (DeviceDrafter.prepare)."""
     st, c = settings, row.state.length
     prefilling, decoding = (row.phase == PREFILL) if prefills else False, row.phase == DECODE
     sampling = row_sampling(st, features)
@@ -477,10 +565,11 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
     """Generate up to `limit` tokens after the prompt in buf[:prompt_len] -> (buf, token count, Stats): request_step
     in a lax.while_loop, its settings static (greedy compiles no sampling, a plain run no drafting)."""
     stop = jnp.array(cfg.eos_token_id or (-1,), i32)
-    settings = Settings(*sampling, draft, K, limit, prompt_len, stop)
+    settings = Settings(*sampling, drafter_name(draft), K, limit, prompt_len, stop)
     features = Features(sample=sampling.temperature > 0, top_k=sampling.temperature > 0 and sampling.top_k > 0,
                         top_p=sampling.temperature > 0 and sampling.top_p < 1)
-    drafters = () if draft == "none" else (draft,)
+    name = drafter_name(draft)
+    drafters = () if name == "none" else (name,)
     buf = buf.at[prompt_len].set(pre.first)
     prompt_pairs = buf[1:len(pre.hidden) + 1]       # the token after each prompt position
     drafts = {name: DRAFTERS[name].update(params, cfg, draft_state, prompt_pairs, pre.hidden, prompt_len)
@@ -517,7 +606,7 @@ def round_up(n, multiple):
 
 def buffer_sizes(prompt_len, limit, K):
     """(padded prompt length, token buffer = KV capacity). The buffer has room for a last round's K+1 tokens and
-    the MTP chain's K slots past the committed length, so no write is ever clamped."""
+    the MTP chain's K positions past the committed length, so no write is ever clamped."""
     P = round_up(prompt_len, 16)
     return P, round_up(P + limit + 2 * (K + 1), 64)
 
@@ -556,8 +645,9 @@ def prefill_seeded(params, cfg, prompt, prompt_len, seed, **statics):
 def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, draft="none", draft_len=4,
              rollback="replay", mesh=None, ngram_table=None):
     """reference.generate / generate_speculative on device -> (tokens, stats). draft: "none", "ngram" (with an
-    optional offline table, reference.build_ngram_table's format) or "mtp".
-    stats["seconds"] has compile, prefill, decode and total (total leaves compile out)."""
+    optional offline table, reference.build_ngram_table's format), "mtp", "partial-mlp:F[:LAYERS]" or
+    "mtp-shortlist:PATH" (reference.py's drafters of those specs). stats["seconds"] has compile, prefill, decode and
+    total (total leaves compile out)."""
     check_settings(params, cfg, dict(max_new_tokens=max_new_tokens, **sampling._asdict(), seed=seed, draft=draft,
                                      draft_len=draft_len, rollback=rollback))
     limit = reference.token_limit(cfg, list(prompt), max_new_tokens)
@@ -571,7 +661,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         prompt = np.asarray(prompt, np.int32)
         padded = put(np.pad(prompt, (0, P - len(prompt))), host)
         prompt_len, seed = put(np.int32(len(prompt)), host), put(np.uint32(seed), host)
-        arrays = None if draft == "none" else DRAFTERS[draft].arrays(params, cfg, draft, K, ngram_table)
+        arrays = None if draft == "none" else DRAFTERS[drafter_name(draft)].prepare(params, cfg, draft, K, ngram_table)
         arrays = jax.tree.map(lambda x: put(x, host), arrays)
         statics = dict(sampling=sampling, draft=draft, K=K, rollback=rollback, mesh=mesh)
 
@@ -605,7 +695,10 @@ ENGINE_DRAFTERS = ("jax_impl", DRAFTER_NAMES)  # what reference.check_settings l
 
 
 def check_settings(params, cfg, settings, label=str):
-    """reference.check_settings for this engine (its drafters), and the MTP drafter's needs (weights, one layer)."""
-    reference.check_settings(settings, label, ENGINE_DRAFTERS)
+    """reference.check_settings for this engine (its drafters: a --draft spec by its drafter's name), and the MTP
+    drafter's needs (weights, one layer)."""
+    draft = settings.get("draft", "none")
+    reference.check_settings({**settings, "draft": drafter_name(draft) or draft} if "draft" in settings else settings,
+                             label, ENGINE_DRAFTERS)
     if settings.get("draft") == "mtp":
         reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer

@@ -338,3 +338,40 @@ def test_a_published_qwen35_drafters_config_loads_with_its_tensor_count_and_size
     shapes = R.dflash_shapes(cfg, dcfg)
     assert shapes["fc.weight"] == (2560, 8 * 2560)
     assert len(shapes) == 69 and sum(int(np.prod(s)) for s in shapes.values()) == 634_425_856
+
+
+def test_the_trained_drafter_is_exact_and_drafts_the_default_models_own_continuations():
+    """weights/default-dflash (weights/train_dflash.py) on its target: speculative greedy decoding gives plain
+    decoding's tokens at a block of 8, and its drafts are accepted above chance (1/4096 a draft: 0.03 of these 120
+    expected; it accepts 4): the committed checkpoint is the trained one, read as the public drafters' layout."""
+    cfg, params = R.load_model(ROOT / "weights" / "default")
+    prompt = R.load_tokenizer(ROOT / "weights" / "default").encode("def read_lines(path):\n").ids
+    d = R.make_drafter(f"dflash:{ROOT / 'weights' / 'default-dflash'}", params, cfg)
+    plain, _ = R.generate(params, cfg, prompt, 24, R.Sampling(), np.random.default_rng(0))
+    tokens, stats = R.generate_speculative(params, cfg, prompt, 24, R.Sampling(), np.random.default_rng(0), d, 7,
+                                           "replay")
+    assert tokens == plain, stats
+    assert stats["accepted"] >= 2, stats
+
+
+def test_the_training_forward_is_the_spec():
+    """weights/train_dflash.py's batched blocks (many anchors at once, SpecForge's mask: context before the anchor,
+    the own block only) give reference.dflash_block's logits, with a sliding first layer cutting into the context."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from weights import train_dflash as T
+    cfg, params = model("tiny-mtp", np.float32)
+    raw = {**CONFIG, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+    dcfg = R.dflash_config_from_dict(raw, cfg)
+    flat = random_dflash_tensors(cfg, dcfg, seed=3)
+    dparams = R.nested_params(flat)
+    tokens = np.array(PROMPT * 4, np.int64)[:24]
+    _, tapped, _, _ = R.forward(params, cfg, tokens, R.empty_state(cfg), R.dflash_taps(dcfg))
+    anchors, block = np.array([3, 9, 17]), 5
+    logits = T.drafter_logits({n: jnp.asarray(a) for n, a in flat.items()}, jnp.asarray(params["embed_tokens"]), dcfg,
+                              jnp.asarray(tapped), jnp.asarray(tokens), jnp.asarray(anchors), block)
+    for row, a in zip(np.asarray(logits), anchors):
+        state = R.dflash_extend(dparams, dcfg, R.dflash_empty_state(dcfg), tapped[:a])
+        expected, _ = R.dflash_block(params, dparams, dcfg, state,
+                                     R.dflash_block_tokens([tokens[a]], block - 1, dcfg.mask_token_id))
+        np.testing.assert_allclose(row[1:], expected, atol=1e-3)

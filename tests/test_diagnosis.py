@@ -40,9 +40,12 @@ SHOWN_BY = {
     "tree-attention-causal": "tree-tiny-mtp-greedy-binary-inner-node",
     "tree-commit-by-accept-length": "tree-tiny-mtp-greedy-binary-inner-node",
     "tree-chain-rule-on-siblings": "tree-tiny-dense-sampling-top-k-one-hot",
+    **{name: "dflash-tiny-mtp-tiny-mtp-dflash" for name in (
+        "dflash-mask-in-first-slot", "dflash-not-cropped", "dflash-taps-one-early", "dflash-taps-sorted",
+        "dflash-features-without-norm")},
 }
 CALLS = ("prefill", "decode", "run_op", "sample", "verify", "commit", "accept", "verify_tree", "commit_tree",
-         "accept_tree", "mtp_hidden", "mtp_draft")
+         "accept_tree", "mtp_hidden", "mtp_draft", "dflash_features", "dflash_draft")
 
 
 def engine_making(mistake):

@@ -3,6 +3,7 @@ cost estimate, the break-even acceptance, the speculative runs, and the whole la
 
 import json
 import math
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -106,7 +107,7 @@ def test_the_lab_end_to_end_on_a_tiny_checkpoint(tmp_path):
     shortlist = tmp_path / "shortlist-64.json"
     shortlist.write_text(json.dumps({"ids": R.build_shortlist([plain_greedy("tiny-mtp"), PROMPT], 64)}))
     prompts = [PROMPT, [3, 1, 4, 1, 5, 9, 2, 6, 5]]
-    results = L.lab(params, cfg, prompts, prompts[:1], [shortlist], new_tokens=6, positions=8, repeats=1)
+    results = L.lab(params, cfg, prompts, prompts[:1], [shortlist], new_tokens=6, positions=8, repeats=1, jax=False)
     assert set(results["block_scan"]) == set(range(8)) and set(results["verify_ratios"]) == set(L.KS)
     rows = results["rows"]
     assert {r["label"] for r in rows.values()} >= {"ngram", "mtp", "mtp-shortlist:64", "partial-mlp:0.25", "skip:4"}
@@ -118,6 +119,16 @@ def test_the_lab_end_to_end_on_a_tiny_checkpoint(tmp_path):
     json.dumps(results)                                             # the --json output
     if L.pyplot() is not None:
         assert L.plot(results, tmp_path / "lab.png").stat().st_size > 0
+
+
+def test_the_jax_column_measures_the_drafters_jax_impl_runs():
+    """jax_impl's speedup for each drafter it runs on device, at the row's best K; none for the others."""
+    cfg, params = model("tiny-mtp")
+    cfg = replace(cfg, eos_token_id=())                 # every run its 6 tokens
+    best_at_2 = {"speculation": {K: {"speedup": float(K == 2)} for K in L.KS}}
+    rows = {spec: dict(best_at_2) for spec in ("ngram", "partial-mlp:0.5", "skip-blocks:2")}
+    speedups = L.jax_speedups(params, cfg, rows, [PROMPT], 6, repeats=1)
+    assert set(speedups) == {"ngram", "partial-mlp:0.5"} and all(s > 0 for s in speedups.values())
 
 
 def test_bad_flags_are_one_line_and_exit_2(capsys):

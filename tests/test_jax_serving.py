@@ -1,4 +1,4 @@
-"""jax_impl's batched serving engine (jax_impl.serving over jax_impl.batch) against single-request runs: property-based
+"""jax_impl's batched serving engine (jax_impl.scheduler over jax_impl.batch) against single-request runs: property-based
 over random schedules (slot counts, arrivals, drafters, sampling settings, prompts that make the drafts accepted in
 part or whole, slot reuse), every request's tokens and acceptance counts equal its own jax_impl.generate run, and
 the state each slot ends with equals a one-pass prefill of its request's committed tokens within float32 rounding;
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 import jax_impl
 import reference
 from jax_impl import batch, jsonl
-from jax_impl.serving import Server
+from jax_impl.scheduler import Server
 from conftest import ROOT
 
 CHECKPOINT = "tiny-odd"   # 4 layers (DeltaNet, 3 value heads per key head, and attention), an MTP head; repeats itself

@@ -29,7 +29,7 @@ from functools import partial
 import jax, jax.numpy as jnp, numpy as np
 import jax_impl, reference
 from jax_impl.spec_decode import prefill_device
-from jax_impl.serving import Server
+from jax_impl.scheduler import Server
 runs, prompt, served = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 mesh = jax_impl.make_mesh(4)
 out = {"devices": len(jax.devices()), "runs": []}

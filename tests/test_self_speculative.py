@@ -432,8 +432,9 @@ def test_the_command_line_runs_a_self_speculative_drafter(tmp_path):
         assert json.loads(run.stdout)["tokens"] == plain and "accepted" in run.stderr
 
 
-def test_jax_impl_refuses_the_self_speculative_drafters_in_one_line():
-    run = subprocess.run([sys.executable, "-m", "jax_impl", "--prompt-ids", "1,2", "--draft", "partial-mlp:0.5"],
+def test_jax_impl_refuses_the_self_speculative_drafters_it_does_not_run_in_one_line():
+    """jax_impl runs partial-mlp and mtp-shortlist (tests/test_jax_self_speculative.py), not the others."""
+    run = subprocess.run([sys.executable, "-m", "jax_impl", "--prompt-ids", "1,2", "--draft", "skip-blocks:2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
-    assert "--draft partial-mlp:0.5: jax_impl runs none, ngram and mtp" in run.stderr
+    assert "--draft skip-blocks:2: jax_impl runs none, ngram, mtp, mtp-shortlist and partial-mlp on device" in run.stderr

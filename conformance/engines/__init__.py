@@ -160,6 +160,8 @@ class Engine:
         trace                            (the default run_trace drives the methods above, one step at a time)
         snapshot                         copy_state (or a run_trace override that keeps prefix-cache entries itself)
         mtp                              mtp_hidden, mtp_draft (export_mtp_state with state_export)
+        dflash                           load_dflash, dflash_features, dflash_draft (export_dflash_state with
+                                         state_export)
         draws, accept:draws              draw, accept_draws (the statistical pack: `python -m conformance sample`)
     """
     name = "?"
@@ -267,6 +269,28 @@ class Engine:
     def export_mtp_state(self, model, mtp_state):
         """The MTP head's state as arrays named as a state is (state.layers.0.k, .v, state.length)."""
         return self.export_state(model, mtp_state)
+
+    def load_dflash(self, model, drafter_dir):
+        """A DFlash drafter's checkpoint directory (z-lab's layout: docs/dflash.md) for this target -> drafter handle."""
+        raise NotImplementedError
+
+    def dflash_features(self, model, drafter, state, tokens):
+        """Continue the target (state None: from empty) with token ids (T,) -> (the features (T, len(taps) D) the
+        engine feeds its drafter for these positions: the outputs of the drafter's target_layer_ids, concatenated in
+        that order, before fc; new state). May consume `state`."""
+        raise NotImplementedError
+
+    def dflash_draft(self, model, drafter, dflash_state, features, last_token, k):
+        """One drafting round (dflash_state None: an empty context): append the features (n, len(taps) D) of the n
+        newly verified positions to the drafter's context, run the block [last_token, MASK x k] at the next k + 1
+        positions -> (the logits (k, V) of the k mask slots, the drafter's state covering the context only: the
+        block cropped back out). Must not change `dflash_state`."""
+        raise NotImplementedError
+
+    def export_dflash_state(self, model, drafter, dflash_state):
+        """The drafter's context cache as arrays named as a state is (state.layers.{i}.k, .v per drafter layer, k
+        after k_norm and RoPE, and state.length)."""
+        raise NotImplementedError
 
     def copy_state(self, model, state):
         """A copy of `state` that later calls cannot change: a prefix-cache entry that new requests start from."""

@@ -43,7 +43,7 @@ def attention_layer(i, attrs, weights):
     room = jnp.zeros((len(i["x"]), *i["state.k"].shape[1:]), i["state.k"].dtype)
     cache = R.AttnState(jnp.concatenate([i["state.k"], room]), jnp.concatenate([i["state.v"], room]))
     y, cache = attention(i["x"], jax_impl.kv_from_reference(cache), i["positions"], cfg, **weights["self_attn"])
-    cache = jax_impl.kv_to_reference(cache, cache.k.shape[1])  # every slot, the room included
+    cache = jax_impl.kv_to_reference(cache, cache.k.shape[1])  # every position, the room included
     return {"y": y, "state.k": cache.k, "state.v": cache.v}
 
 
@@ -82,7 +82,7 @@ def host(x):
 
 @register_engine("jax")
 class Jax(Engine):
-    features = frozenset(FEATURES) - set(FEATURE_GROUPS["trees"])      # no tree verify in jax_impl yet
+    features = frozenset(FEATURES) - set(FEATURE_GROUPS["trees"]) - {"dflash"}   # no tree verify, no DFlash drafter in jax_impl yet
     dtype = "float32"                 # of weights and activations (jax_impl.weights.DTYPES)
 
     def load(self, checkpoint_dir):
@@ -202,9 +202,9 @@ class Jax(Engine):
         return int(accepted), int(token)
 
     def run_trace(self, model, batches, rollback, slots):
-        """The batched path: `slots` request slots (jax_impl.batch's slot axis, released slots reused lowest first), each
-        batch's rows in one call of jax_impl.explicit_step (a prefill longer than its width goes on in further calls
-        of the rows left), every step's outputs read back after it. Snapshots are copies of a slot's row."""
+        """The batched path: `slots` request slots (jax_impl's batch slot axis, released slots reused lowest first),
+        each batch's rows in one call of jax_impl.explicit_step (a prefill longer than its width goes on in further
+        calls of the rows left), every step's outputs read back after it. Snapshots are copies of a slot's row."""
         cfg, params = model
         trace = TraceSlots(cfg, params, slots, rollback or "replay", max_drafts(batches))
         for b, batch_steps in enumerate(batches):

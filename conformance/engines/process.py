@@ -289,6 +289,24 @@ class ProcessEngine(Engine):
         answer = self.request("export_mtp_state", model=model, mtp_state=mtp_state)
         return required(answer, "tensors", "export_mtp_state")
 
+    def load_dflash(self, model, drafter_dir):
+        answer = self.request("load_dflash", model=model, drafter=str(Path(drafter_dir).resolve()))
+        return self.handle(answer, "drafter", "load_dflash")
+
+    def dflash_features(self, model, drafter, state, tokens):
+        answer = self.request("dflash_features", model=model, drafter=drafter, state=state,
+                              tokens=np.asarray(tokens, np.int64))
+        return required(answer, "features", "dflash_features"), self.handle(answer, "state", "dflash_features")
+
+    def dflash_draft(self, model, drafter, dflash_state, features, last_token, k):
+        answer = self.request("dflash_draft", model=model, drafter=drafter, dflash_state=dflash_state,
+                              features=np.asarray(features, np.float32), last_token=int(last_token), k=int(k))
+        return required(answer, "logits", "dflash_draft"), self.handle(answer, "dflash_state", "dflash_draft")
+
+    def export_dflash_state(self, model, drafter, dflash_state):
+        answer = self.request("export_dflash_state", model=model, drafter=drafter, dflash_state=dflash_state)
+        return required(answer, "tensors", "export_dflash_state")
+
     def copy_state(self, model, state):
         return self.handle(self.request("copy_state", model=model, state=state), "state", "copy_state")
 

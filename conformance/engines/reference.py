@@ -129,3 +129,20 @@ class Reference(Engine):
         mtp_state = R.mtp_drafter(params, cfg).initial_state if mtp_state is None else mtp_state
         picks = iter(chain)
         return R.mtp_chain(params, cfg, mtp_state, tokens, hidden, len(chain) + 1, lambda logits: int(next(picks)))
+
+    def load_dflash(self, model, drafter_dir):
+        return R.load_dflash(drafter_dir, model[0])
+
+    def dflash_features(self, model, drafter, state, tokens):
+        cfg, params = model
+        _, features, state, _ = R.forward(params, cfg, tokens, R.empty_state(cfg) if state is None else state,
+                                          R.dflash_taps(drafter[0]))
+        return features, state
+
+    def dflash_draft(self, model, drafter, dflash_state, features, last_token, k):
+        (cfg, params), (dcfg, dparams) = model, drafter
+        dflash_state = R.dflash_empty_state(dcfg) if dflash_state is None else dflash_state
+        return R.dflash_round(params, dparams, dcfg, dflash_state, features, last_token, k)
+
+    def export_dflash_state(self, model, drafter, dflash_state):
+        return state_tensors(dflash_state)

@@ -160,7 +160,7 @@ OPS = {"rms_norm": rms_norm, "rms_norm_gated": rms_norm_gated,
 @register_engine("transformers")
 class Transformers(Engine):
     features = frozenset(FEATURES) - {"speculative", "rollback:per-position", "rollback:replay", "accept:greedy",
-                                      "accept:sampling", "accept:draws", "mtp", *FEATURE_GROUPS["trees"]}
+                                      "accept:sampling", "accept:draws", "mtp", "dflash", *FEATURE_GROUPS["trees"]}
 
     def __init__(self, dtype="float32", device="cpu", attention="eager"):
         """The suite runs the defaults: float32 on the CPU, eager attention. The benchmarks (bench/timing.py) time

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import reference as R
 from ..format import (EXPECTED, INPUTS, MANIFEST, TOLERANCES, Case, Output, case_dirs, checkpoint_dir,
-                                read_tensors, write_case)
+                      checkpoint_entry, read_tensors, write_case)
 from .golden import (DRAFT_LEN, GREEDY, checkpoint_features, discriminating_rows, f32, f64, i64, model,
                                 rng_for, runner_up, sampled_drafts, sampling_attrs, state_outputs, undiscriminated)
 from .draws import draws_cases
@@ -290,7 +290,8 @@ def spec_case(checkpoint, label, prompt_ids, state, verify_tokens, q, uniforms, 
     if mode == "sampling":
         inputs.update(q=f32(q), uniforms=f32(uniforms))
     return Case(f"spec-{checkpoint}-{label}-{rollback}", "speculative",
-                f"reference.accept_{'greedy' if mode == 'greedy' else 'speculative'}, reference.{strategy.commit.__name__}",
+                f"reference.accept_{'greedy' if mode == 'greedy' else 'speculative'}, "
+                f"reference.{strategy.commit.__name__}",
                 f"prefill the prompt, verify [last token + {len(draft)} drafts], accept {accepted}, commit {n} "
                 f"positions by {rollback}, then decode the new token",
                 ("prefill", "decode", "speculative", f"rollback:{rollback}", f"accept:{mode}")
@@ -415,6 +416,52 @@ def mtp_cases():
         yield mtp_case(checkpoint)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# A DFlash block drafter, round after round.
+
+# (verified positions the round keeps, drafts it asks for) in the rounds after the prompt's: two accepted, none, all
+# four, then a shorter block whose two drafts are both kept, then one accepted (so the crop is exercised after a
+# partial, a zero and a full accept, and a block length that changes between rounds).
+DFLASH_ROUNDS = ((3, DRAFT_LEN), (1, DRAFT_LEN), (DRAFT_LEN + 1, 2), (3, DRAFT_LEN), (2, DRAFT_LEN))
+
+
+def dflash_case(checkpoint, drafter, prompt_len=20):
+    """Rounds of drafting with a DFlash drafter. Round 0: the target prefills the prompt, its tapped layer outputs
+    are the drafter's first context; the block [the target's next token, MASK x K] is drafted from them. Each later
+    round: the target consumes the last committed token and the first n - 1 drafts (the n verified positions kept);
+    their features are appended to the drafter's context (the previous block cropped out), the new block starts
+    with the target's next token."""
+    cfg, params = model(checkpoint)
+    dcfg, dparams = R.load_dflash(checkpoint_dir(drafter), cfg)
+    dparams = R.cast(dparams, np.float64)
+    taps, state, dstate = R.dflash_taps(dcfg), R.empty_state(cfg), R.dflash_empty_state(dcfg)
+    tokens, inputs, outputs, draft_lens = list(prompt(checkpoint, prompt_len)), {}, {}, [DRAFT_LEN]
+    for r, (keep, k) in enumerate(((None, DRAFT_LEN),) + DFLASH_ROUNDS):
+        if keep:
+            tokens = [last] + drafts[:keep - 1]
+            draft_lens.append(k)
+        logits, features, state, _ = R.forward(params, cfg, tokens, state, taps)
+        last = int(np.argmax(logits[-1]))
+        block_logits, dstate = R.dflash_round(params, dparams, dcfg, dstate, features, last, k)
+        drafts = [int(t) for t in np.argmax(block_logits, axis=-1)]
+        inputs.update({f"r{r}.tokens": i64(tokens), f"r{r}.features": features, f"r{r}.last": i64([last])})
+        outputs.update({f"r{r}.target_features": Output("hidden", features),
+                        f"r{r}.block_logits": Output("logits", block_logits),
+                        **{f"r{r}.dflash_{n}": o for n, o in state_outputs(dstate).items()}})
+    return Case(f"dflash-{checkpoint}-{drafter}", "dflash",
+                "reference.forward (taps), reference.dflash_round",
+                f"a DFlash drafter (taps {list(taps)}) drafting a block a round after a {prompt_len}-token prompt, then "
+                f"after rounds keeping {', '.join(str(keep) for keep, _ in DFLASH_ROUNDS)} verified positions: the "
+                "target's tapped features, the block's logits, the drafter's context cache",
+                ("prefill", "extend", "dflash") + checkpoint_features(checkpoint),
+                {"rounds": len(DFLASH_ROUNDS) + 1, "draft_lens": draft_lens, "drafter": checkpoint_entry(drafter)},
+                inputs, outputs, checkpoint)
+
+
+def dflash_cases():
+    yield dflash_case("tiny-mtp", "tiny-mtp-dflash")
+
+
 def all_cases():
     yield from primitive_cases()
     yield from gated_delta_rule_cases()
@@ -424,6 +471,7 @@ def all_cases():
     yield from speculative_cases()
     yield from mtp_cases()
     yield from tree_cases()
+    yield from dflash_cases()
     yield from trace_cases()
     yield from draws_cases()
 

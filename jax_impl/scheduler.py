@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from . import batch, reference
-from .batch import DECODE, DONE, MAX_STOP_IDS, PAUSED, PREFILL
+from .batch import DECODE, DONE, MAX_STOP_IDS, PAUSED, PREFILL, SERVED_DRAFTERS
 from .sharding import fetch
 from .spec_decode import DRAFTER_NAMES, check_settings, compiled, round_draft_len, round_up
 
@@ -74,7 +74,7 @@ class Entry(NamedTuple):
     nbytes: int
 
 
-class Live(NamedTuple):
+class Running(NamedTuple):
     """A request in a slot, as the host follows it."""
     id: int
     request: Request
@@ -95,6 +95,8 @@ def check_request(cfg, params, r, label=str):
     """The settings (spec_decode.check_settings: the command lines' check), the stop ids, the prompt -> its token
     limit. label(name): how the caller names a setting (the HTTP front end's max_tokens)."""
     check_settings(params, cfg, request_settings(r), label)
+    if r.draft not in SERVED_DRAFTERS:
+        raise UserError(f"{label('draft')} {r.draft}: the server runs {', '.join(SERVED_DRAFTERS)}")
     stop = cfg.eos_token_id if r.stop is None else r.stop
     if len(stop) > MAX_STOP_IDS or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in stop):
         raise UserError(f"{label('stop')} {list(stop)!r:.100}: at most {MAX_STOP_IDS} token ids in "
@@ -253,7 +255,7 @@ class Server:
             cache_point = len(r.prompt) - 1 if r.cache_prompt and len(r.prompt) > 1 else len(r.prompt)
             self.slots = admit_slot(self.slots, np.int32(index), prompt, settings, np.uint32(r.seed),
                                     np.int32(cache_point), None if entry is None else entry.row)
-            self.live[index] = Live(request_id, r, limit, K, 0, time.perf_counter())
+            self.live[index] = Running(request_id, r, limit, K, 0, time.perf_counter())
 
     def lookup(self, r):
         """The longest cached prompt that begins r.prompt (and, for an MTP request, carries the head's state)."""
