@@ -94,9 +94,7 @@ def request_settings(r):
 def check_request(cfg, params, r, label=str):
     """The settings (spec_decode.check_settings: the command lines' check), the stop ids, the prompt -> its token
     limit. label(name): how the caller names a setting (the HTTP front end's max_tokens)."""
-    check_settings(params, cfg, request_settings(r), label)
-    if r.draft not in SERVED_DRAFTERS:
-        raise UserError(f"{label('draft')} {r.draft}: the server runs {', '.join(SERVED_DRAFTERS)}")
+    check_settings(params, cfg, request_settings(r), label, ("jax_impl", SERVED_DRAFTERS))
     stop = cfg.eos_token_id if r.stop is None else r.stop
     if len(stop) > MAX_STOP_IDS or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in stop):
         raise UserError(f"{label('stop')} {list(stop)!r:.100}: at most {MAX_STOP_IDS} token ids in "

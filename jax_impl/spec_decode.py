@@ -694,11 +694,11 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
 ENGINE_DRAFTERS = ("jax_impl", DRAFTER_NAMES)  # what reference.check_settings lets through to this engine
 
 
-def check_settings(params, cfg, settings, label=str):
-    """reference.check_settings for this engine (its drafters: a --draft spec by its drafter's name), and the MTP
-    drafter's needs (weights, one layer)."""
+def check_settings(params, cfg, settings, label=str, engine_drafters=ENGINE_DRAFTERS):
+    """reference.check_settings for this engine (its drafters: a --draft spec by its drafter's name; the server's
+    are fewer), and the MTP drafter's needs (weights, one layer)."""
     draft = settings.get("draft", "none")
     reference.check_settings({**settings, "draft": drafter_name(draft) or draft} if "draft" in settings else settings,
-                             label, ENGINE_DRAFTERS)
+                             label, engine_drafters)
     if settings.get("draft") == "mtp":
         reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer

@@ -309,7 +309,7 @@ def test_the_command_lines_run_or_refuse_the_drafter():
                           "--draft", "dflash:weights/tiny-mtp-dflash"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
-    assert "jax_impl runs none, ngram and mtp" in run.stderr and "dflash" in run.stderr
+    assert "jax_impl runs none, ngram, mtp" in run.stderr and "dflash" in run.stderr
 
 
 def test_the_tiny_drafter_is_what_its_script_writes(tmp_path):
