@@ -2188,7 +2188,7 @@ def check_settings(settings, label=str, engine_drafters=None):
     if engine_drafters and settings.get("draft", "none") not in engine_drafters[1]:
         engine, names = engine_drafters
         raise UserError(f"{label('draft')} {settings['draft']}: {engine} runs {', '.join(names[:-1])} and {names[-1]} on "
-                        "device (skip:N, model:DIR, dflash and the self-speculative drafters are reference.py only)")
+                        "device (its other --draft forms run in reference.py only)")
 
 
 def json_setting(name, value, label=None):
