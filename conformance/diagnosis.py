@@ -38,17 +38,30 @@ class Mistake(NamedTuple):
     patches: dict         # reference attribute -> its wrong version
 
 
+def rollback_tables(replace):
+    """reference.py's rollback tables (ROLLBACK, TREE_ROLLBACK) with each function mapped by replace: they hold the
+    functions themselves, so a patched module attribute alone would not reach them."""
+    return {table: {name: R.Rollback(*(replace(f) for f in strategy)) for name, strategy in getattr(R, table).items()}
+            for table in ("ROLLBACK", "TREE_ROLLBACK")}
+
+
 @contextmanager
 def applied(mistake):
-    """reference.py with the mistake's functions replaced, restored on the way out."""
+    """reference.py with the mistake's functions replaced (in its rollback tables too), restored on the way out."""
     saved = {name: getattr(R, name) for name in mistake.patches}
+    wrong_for = {id(saved[name]): wrong for name, wrong in mistake.patches.items()}
+    saved_tables = {table: getattr(R, table) for table in ("ROLLBACK", "TREE_ROLLBACK")}
     try:
         for name, wrong in mistake.patches.items():
             setattr(R, name, wrong)
+        for table, patched in rollback_tables(lambda f: wrong_for.get(id(f), f)).items():
+            setattr(R, table, patched)
         yield
     finally:
         for name, function in saved.items():
             setattr(R, name, function)
+        for table, original in saved_tables.items():
+            setattr(R, table, original)
 
 
 # ----------------------------------------------------------------------------------------------------------------

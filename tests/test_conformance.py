@@ -36,7 +36,8 @@ def test_transformers_has_no_unexpected_result(capsys, tmp_path):
     speculative = {name for name in results if name.startswith("spec-") or name.startswith("trace-") and "@" in name}
     mtp = {name for name in results if name.startswith("mtp-")}
     trees = {name for name in results if name.startswith("tree-")}
-    assert skipped == speculative | mtp | trees and mtp and trees
+    dflash = {name for name in results if name.startswith("dflash-")}
+    assert skipped == speculative | mtp | trees | dflash and mtp and trees and dflash
     assert all("no tree verify and commit" in results[n].note for n in trees)
     assert all("cannot roll back a Gated DeltaNet state" in results[n].note for n in speculative)
     assert all("no Qwen3.5 MTP head" in results[n].note for n in mtp)
