@@ -74,9 +74,9 @@ def assert_fails_as_recorded(summary, run):
     found = failing_rules(summary)
     failing = {r["scenario"]: r["failures"] for r in summary["scenarios"] if r["failures"]}
     recorded = recorded_rules(run, found)
-    assert found == recorded, (f"found {found}, recorded {recorded}\n"  # first, so a cut message still names it
-                               + json.dumps({n: failing.get(n) for n in set(found) ^ set(recorded) or found},
-                                            indent=1)[:6000])
+    differing = {n: failing.get(n) for n in set(found) | set(recorded) if found.get(n) != recorded.get(n)}
+    # found and recorded first, so that a message cut short still names the scenarios that differ
+    assert found == recorded, f"found {found}, recorded {recorded}\n" + json.dumps(differing, indent=1)[:6000]
     for name in sorted(set(found) & {n for n, f in run["findings"].items() if f.get("intermittent")}):
         warnings.warn(f"{run['name']}: intermittent {name} failed: {json.dumps(failing[name][:3])}"[:3000])
     assert all(r["tokens"] > 0 for r in summary["scenarios"])
