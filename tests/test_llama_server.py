@@ -8,14 +8,17 @@ import json
 import urllib.error
 import urllib.request
 
+import llama_cpp
 import numpy as np
 import pytest
+from llama_cpp import _internals as internals
+from tokenizers import Tokenizer
 
 import reference as R
 from conftest import ROOT
 from conformance import check_server as cs
 from conformance.server_dialects import DIALECTS, ServerRequest
-from conformance.engines.llama_cpp import gguf_file
+from conformance.engines.llama_cpp import gguf_file, with_one_merge
 from llama_server import llama_server
 from server_process import assert_fails_as_recorded
 
@@ -35,6 +38,26 @@ def test_check_server_fails_as_the_expectations_file_records(gguf, tmp_path, run
         summary, _ = cs.check_server(url, MODEL, dialect=run["dialect"], scenarios_regex=run["scenarios"],
                                      report=tmp_path / "report.json", log=lambda line: None, timeout=300)
     assert_fails_as_recorded(summary, run)
+
+
+def test_the_amended_tokenizer_keeps_every_added_tokens_id():
+    """The merge llama.cpp needs must not take an added token's id (tokenizers gave <|endoftext|> 257, the merge's)."""
+    original = json.loads((MODEL / "tokenizer.json").read_text())
+    amended = Tokenizer.from_str(json.dumps(with_one_merge(json.loads((MODEL / "tokenizer.json").read_text()))))
+    assert original["added_tokens"]
+    for token in original["added_tokens"]:
+        assert amended.token_to_id(token["content"]) == token["id"]
+    assert amended.encode('!"').ids == [257] and len(set(amended.get_vocab().values())) == amended.get_vocab_size()
+
+
+def test_the_gguf_ends_a_generation_at_the_checkpoints_eos_ids_alone(gguf):
+    """libllama's end-of-generation set over every id of the GGUF: the checkpoint's EOS ids, nothing else."""
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = internals.LlamaModel(path_model=str(gguf), params=params, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(model.model)
+    eog = {t for t in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+    assert eog == set(R.load_config(MODEL).eos_token_id)
 
 
 def completion(url, body):

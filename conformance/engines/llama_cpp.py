@@ -3,7 +3,7 @@
 Loading converts the checkpoint with llama.cpp's own HF -> GGUF converter. It ships in the llama-cpp-python sdist, not
 in the wheel: LLAMA_CPP_CONVERTER may name the sdist's vendor/llama.cpp folder, otherwise the sdist of the installed
 version is fetched once with `pip download` into conformance/_out/cache/. GGUFs are cached there too, by checkpoint
-digest and llama-cpp-python version (delete them after changing the conversion). The converter runs on an amended
+digest, llama-cpp-python version and CONVERSION (raise it after changing the conversion). The converter runs on an amended
 copy of the checkpoint (`gguf_source`) with one patch (`convert`); neither touches a tensor, and
 expectations/llama_cpp.json lists both under adapter_workarounds.
 
@@ -36,6 +36,7 @@ from ..format import HERE, ROOT, directory_sha256
 
 CACHE = HERE / "_out" / "cache"
 CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
+CONVERSION = 2             # the amendments' version, in a cached GGUF's name: 2 keeps the added tokens' ids
 N_CTX = 512                # positions of the one-sequence context; no case needs 100 (a trace's: the checkpoint's)
 MAX_DRAFT = 8              # recurrent-state snapshots kept per sequence: a verify may roll back this many positions
 SEED = 0                   # only fixes llama.cpp's dist sampler; the case's uniforms make the draws
@@ -79,12 +80,18 @@ def converter_dir():
 def with_one_merge(tokenizer):
     """tokenizer.json with one BPE merge added under the next free id if it has none. llama.cpp refuses a BPE vocab
     without merges ("cannot find tokenizer merges in model file") and the tiny checkpoints' byte-level tokenizer has
-    none; the ids the cases use keep their meaning (the suite drives engines with token ids only)."""
+    none; the ids the cases use keep their meaning (the suite drives engines with token ids only).
+
+    The added tokens enter the model's vocab too, under their own ids: else the merge (257) leaves a gap at the added
+    <|endoftext|> (256), tokenizers gives an added token the model lacks the id len(vocab), 257 as well, and which of
+    the two the converter keeps depended on PYTHONHASHSEED: one conversion in three made 257 an end-of-generation
+    token and 256 a [PAD256] (llama-server then stopped right after every `!"`)."""
     if tokenizer["model"].get("merges"):
         return tokenizer
     vocab = tokenizer["model"]["vocab"]
     first, second = sorted(vocab, key=vocab.get)[:2]
-    vocab[first + second] = 1 + max([*vocab.values(), *(t["id"] for t in tokenizer["added_tokens"])])
+    vocab.update({t["content"]: t["id"] for t in tokenizer["added_tokens"]})
+    vocab[first + second] = 1 + max(vocab.values())
     tokenizer["model"]["merges"] = [[first, second]]
     return tokenizer
 
@@ -118,7 +125,7 @@ def gguf_source(checkpoint_dir, folder):
 def gguf_file(checkpoint_dir):
     """The checkpoint as a float32 GGUF, converted once and cached by digest."""
     checkpoint_dir = Path(checkpoint_dir)
-    out = CACHE / "gguf" / f"{directory_sha256(checkpoint_dir)}-{llama_cpp.__version__}.gguf"
+    out = CACHE / "gguf" / f"{directory_sha256(checkpoint_dir)}-{llama_cpp.__version__}-{CONVERSION}.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
