@@ -1,10 +1,12 @@
 """The DFlash block drafter (reference.py, docs/dflash.md): exact through the verifier (greedy tokens of plain
-decoding under both rollbacks; the target's distribution when sampling, by chi-square), its block logits against a
+decoding under both rollbacks; the target's distribution when sampling, by chi-square, and with the trained drafter
+in closed form per slot and by chi-square against a wrong q), its block logits against a
 from-scratch computation written out here over several rounds with partial accepts (which fails when the first slot
 is a mask, the cache is not cropped, the wrong layers are tapped or the features are not normed), its checkpoint
 loader and its --draft forms' one-line errors."""
 
 import json
+from functools import lru_cache
 import re
 import shutil
 import subprocess
@@ -375,3 +377,112 @@ def test_the_training_forward_is_the_spec():
         expected, _ = R.dflash_block(params, dparams, dcfg, state,
                                      R.dflash_block_tokens([tokens[a]], block - 1, dcfg.mask_token_id))
         np.testing.assert_allclose(row[1:], expected, atol=1e-3)
+
+
+# --- Sampling exactness with the trained drafter ------------------------------------------------------------------
+# weights/default-dflash on weights/default, after a context in its corpus's style where its drafts are often
+# accepted (a repetitive argument list: at temperature 0.8 its argmax drafts have target probabilities 0.74, 0.54,
+# 0.76; its softmax shares 0.55-0.65 of the target's mass at each slot). The round's rule is the
+# spec's (reference.acceptance, reference.residual, reference.round_outcomes); the target's distributions come from
+# a plain forward over the context and the drafts, not from the verify pass.
+
+TRAINED_CONTEXT = '''def _splitext(p, sep, altsep, extsep):
+    """Split the extension from a pathname."""
+    sepIndex = p.rfind(sep)
+    if altsep:
+        return None
+    return _is_other(a, _, _, _, _, _, _, _, _,'''
+TRAINED_SAMPLING, TRAINED_K = R.Sampling(0.8), 3
+
+
+@lru_cache(maxsize=None)
+def trained_prefill():  # -> target params, cfg, the drafter's (params, cfg), the context, its tapped features, state
+    cfg, params = model("default", np.float64)
+    dcfg, dparams = R.load_dflash(ROOT / "weights" / "default-dflash", cfg)
+    context = R.load_tokenizer(ROOT / "weights" / "default").encode(TRAINED_CONTEXT).ids
+    _, tapped, state, _ = R.forward(params, cfg, context[:-1], R.empty_state(cfg), R.dflash_taps(dcfg))
+    return params, cfg, R.cast(dparams, np.float64), dcfg, context, tapped, state
+
+
+@lru_cache(maxsize=None)
+def trained_round(sampled):
+    """The trained drafter's proposal for one round after TRAINED_CONTEXT (seed 0): drafts (K,), q (K, V), and the
+    target's distributions p (K+1, V) along them (a plain forward, not the verify pass), all in float64."""
+    params, cfg, dparams, dcfg, context, tapped, state = trained_prefill()
+    d = R.dflash_drafter("dflash", params, cfg, dparams, dcfg, sampled)
+    draft, q, _ = d.propose(d.initial_state, context, tapped, TRAINED_K, TRAINED_SAMPLING, np.random.default_rng(0))
+    logits = R.forward(params, cfg, context[-1:] + draft, state)[0]
+    return draft, np.asarray(q, np.float64), R.probabilities(logits, TRAINED_SAMPLING)
+
+
+def unit(x, V):  # a one-hot row
+    return (np.arange(V) == x).astype(np.float64)
+
+
+def committed_law(drawn, q, p):  # (V,) the draft's law, (V,) the q reported, (V,) the target's -> (V,)
+    """The law of the token a round commits at a slot it reaches, under the spec's rule: draft x (drawn from
+    `drawn`; DFlash's slots are drawn independently of each other) kept with chance acceptance(p(x), q(x)), else a
+    token drawn from residual(p, q): round_outcomes of that one slot, its two outcomes summed."""
+    kept = np.array([drawn[x] * R.acceptance(p[x], q[x]) if drawn[x] else 0.0 for x in range(len(p))])
+    return R.round_outcomes([kept.sum()], [R.residual(p, q)], kept).sum(axis=0)
+
+
+def test_trained_argmax_rounds_commit_the_targets_distribution():
+    """Argmax drafts with a one-hot q: the round's outcome (reference.speculative_outcomes) is, in closed form, what
+    the target's distributions give a chain that stops at the first token differing from the draft: accept j drafts
+    and then t with probability p_0(x_0) ... p_{j-1}(x_{j-1}) p_j(t), t != x_j below the last slot."""
+    draft, q, p = trained_round(False)
+    assert np.array_equal(q, np.stack([unit(x, p.shape[1]) for x in draft]))
+    expected = np.stack([np.prod([p[i, x] for i, x in enumerate(draft[:j])]) * p[j] for j in range(TRAINED_K + 1)])
+    for j, x in enumerate(draft):
+        expected[j, x] = 0
+    np.testing.assert_allclose(R.speculative_outcomes(draft, q, p), expected, rtol=1e-9, atol=1e-15)
+    assert 0.2 < expected[1:].sum() < 1      # the first draft is often accepted, and not always: the check has teeth
+
+
+def test_trained_sampled_rounds_commit_the_targets_distribution_at_every_slot():
+    """Each slot drawn from the drafter's softmax and reported as q: at every slot the round reaches, the token
+    committed there follows the target's p_j (DFlash's slots are drawn independently of the earlier drafts, so each
+    slot's law is that of a one-draft round). The drafter's softmax at the wrong temperature as q is not exact."""
+    draft, q, p = trained_round(True)
+    for j in range(TRAINED_K):
+        np.testing.assert_allclose(committed_law(q[j], q[j], p[j]), p[j], rtol=1e-9, atol=1e-15)
+        assert np.minimum(q[j], p[j]).sum() > 0.4                               # often kept: the check has teeth
+    at_one = R.probabilities(np.log(q[0]) * TRAINED_SAMPLING.temperature, R.Sampling(1.0))   # the slot at T = 1
+    assert 0.5 * np.abs(committed_law(q[0], at_one, p[0]) - p[0]).sum() > 0.05
+
+
+DRAWS = 2_000
+
+
+def first_committed_counts(draft_of, q_of, runs=DRAWS):
+    """`runs` draws of slot 0 of the sampled round through reference.accept_speculative: draft x = draft_of(u) for a
+    uniform u, reported with q_of(x), verified against the target's p_0 -> the first committed tokens' counts {(t,):
+    n} (the bonus row, p_0 again, never decides the first token)."""
+    _, _, p = trained_round(True)
+    rng, counts, bonus = np.random.default_rng(1), {}, np.stack([p[0], p[0]])
+    for _ in range(runs):
+        x = draft_of(rng.random())
+        accepted, token = R.accept_speculative([x], q_of(x)[None], bonus, rng.random(2))
+        counts[(x if accepted else token,)] = counts.get((x if accepted else token,), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("proposal", ["argmax, one-hot q", "sampled, q its softmax", "sampled, one-hot q",
+                                      "argmax, softmax q (wrong)"])
+def test_trained_first_committed_token_follows_the_target_by_chi_square(proposal):
+    """2,000 rounds drawn with their own uniforms: the first committed token fits the target's p_0 (chi-square,
+    p > 1e-3, seeded), for argmax and for sampled drafts. Sampled drafts reported with a one-hot q at the drawn
+    token are exact too (kept with chance p(x), else drawn from p without x, whatever drew x): they only accept
+    less, so they are no negative control. The control, deterministic argmax drafts reported with the drafter's
+    softmax as q (as if sampled), commits the argmax far too often and must fail (p < 1e-6; p = 1e-136 here)."""
+    _, q, p = trained_round(True)
+    V = p.shape[1]
+    argmax = lambda u: int(q[0].argmax())                                # noqa: E731
+    sampled = lambda u: R.sample(q[0], u)                                # noqa: E731  (the drafter's rule: R.draw)
+    draft_of, q_of = {"argmax, one-hot q": (argmax, lambda x: unit(x, V)),
+                      "sampled, q its softmax": (sampled, lambda x: q[0]),
+                      "sampled, one-hot q": (sampled, lambda x: unit(x, V)),
+                      "argmax, softmax q (wrong)": (argmax, lambda x: q[0])}[proposal]
+    p_value = chi_square_p_value(first_committed_counts(draft_of, q_of), {(t,): p[0, t] for t in range(V)}, DRAWS)
+    assert p_value < 1e-6 if "wrong" in proposal else p_value > 1e-3, p_value

@@ -207,7 +207,7 @@ class Jax(Engine):
 
     def verify_tree(self, model, state, tokens, parents, rollback):
         """jax_impl.verify_tree over the tree padded to a multiple of TREE_PAD_TO nodes (children of the root, which
-        no real node sees), so that the suite's trees compile one pass per checkpoint and strategy."""
+        no real node sees), so that the suite's trees compile one pass per checkpoint (jax_impl.verify_tree)."""
         cfg, params = model
         N = len(tokens)
         if N > cfg.max_position_embeddings - int(state.length):
@@ -331,7 +331,7 @@ class TraceSlots:
         outputs, offsets = {}, dict.fromkeys(rows, 0)
         while offsets:
             inputs = self.rows_input({s: rows[s] for s in offsets}, offsets)
-            run, _ = jax_impl.compiled(jax_impl.explicit_step, (1,), self.cfg, dict(T=self.T, K=self.K, strategy=self.rollback),
+            run, _ = jax_impl.compiled(jax_impl.explicit_step, (1,), self.cfg, dict(T=self.T, K=self.K, rollback=self.rollback),
                               self.params, self.state, inputs)
             logits, accepted, committed, n, self.state = run(self.params, self.state, inputs)
             logits, accepted, committed, n = (np.asarray(x) for x in (logits, accepted, committed, n))
