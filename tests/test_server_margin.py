@@ -1,9 +1,8 @@
 """check-server's near-tie margin and logprob tolerance (tolerances.json "server") against the rounding measured on
 the shipped checkpoints (its "measured" record, written by `python -m conformance.make.server_margin --write`): every
-declared value covers its precision's measured figures with the stated safety factor, and a fresh measurement of one
-scenario request in bfloat16 on the trained default model stays within what the record says."""
+declared value covers its precision's measured figures with the stated safety factor. (Remeasuring in a test costs
+too much: compiling jax_impl's bf16 decode of the default model alone took 6 to 20 s here.)"""
 
-import numpy as np
 import pytest
 
 from conformance import check_server as cs
@@ -31,14 +30,3 @@ def test_the_declared_margin_and_tolerance_cover_the_measured_rounding(dtype):
                         argmax_deviation=cs.RULES["greedy_margin"][dtype] / sm.SAFETY / 2 * 1.01)}
     assert sm.required(louder)[0] > cs.RULES["greedy_margin"][dtype]
 
-
-def test_a_fresh_bf16_measurement_is_within_the_record():
-    spec = cs.Spec(sm.R.DEFAULT_MODEL)
-    prompt = cs.build_prompt([{"seed": 1, "length": 12}], spec.cfg.vocab_size, set(spec.cfg.eos_token_id))
-    engine = sm.Engine(spec.params, spec.cfg, "bfloat16", 64)
-    seq, decoded = engine.decode(prompt, 24)
-    fresh = sm.compare(decoded, spec.logits(seq))
-    recorded = RECORD["figures"]["bfloat16"]["default"]
-    assert fresh["positions"] == 36 and np.isfinite(fresh["argmax_deviation"])
-    for key in ("argmax_deviation", "logit_deviation", "logprob_deviation", "flip_gap"):
-        assert fresh[key] <= recorded[key], (key, fresh[key], recorded[key])
