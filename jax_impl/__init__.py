@@ -33,8 +33,8 @@ else:
 EXPORTS = {
     "batch": ("MAX_STOP_IDS", "PREFILL_WIDTHS", "Rows", "draft_bucket", "explicit_step", "read_slot", "write_slot"),
     "gated_delta": ("gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step"),
-    "model": ("commit", "decode", "empty_kv", "empty_state", "forward", "forward_hidden", "kv_from_reference",
-              "kv_to_reference", "lm_head", "prefill", "verify"),
+    "model": ("commit", "decode", "empty_kv", "empty_state", "forward", "forward_hidden", "forward_tapped",
+              "kv_from_reference", "kv_to_reference", "lm_head", "prefill", "verify"),
     "rollback": ("commit_per_position", "commit_replay", "conv_window", "conv_windows", "delta_states",
                  "keep_per_position", "replay"),
     "scheduler": ("Server",),
