@@ -353,16 +353,17 @@ def rollback_at_commit(cfg, K, n, design, p, batch=1):
     """Keeping the first n of the K+1 verified positions, per DeltaNet layer. Full acceptance (n = K+1) costs
     nothing in any design: the verify pass left the right state; attention truncates its KV cache (free).
     re-forward also runs the n kept tokens through the model again (reforwarded)."""
-    if n == K + 1 or design == "per-position":
+    if n == K + 1:
         return []
     state, window, tape_step = deltanet_sizes(cfg, p)
-    if design == "re-forward":
-        kernel = Kernel("rollback", "restore snapshot", state_bytes=2 * batch * (state + window))
-    else:
-        Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        kernel = Kernel("rollback", "replay", batch * n, flops=batch * n * Hv * 3 * Dk * Dv,
-                        state_bytes=batch * (2 * state + 2 * window), act_bytes=batch * n * tape_step)
-    return [kernel] * deltanet_layers(cfg)
+    Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kernels = {
+        "re-forward": [Kernel("rollback", "restore snapshot", state_bytes=2 * batch * (state + window))],
+        "per-position": [],                                                  # an index into the kept states
+        "replay": [Kernel("rollback", "replay", batch * n, flops=batch * n * Hv * 3 * Dk * Dv,
+                          state_bytes=batch * (2 * state + 2 * window), act_bytes=batch * n * tape_step)],
+    }[design]
+    return kernels * deltanet_layers(cfg)
 
 
 def reforwarded(K, n, design):

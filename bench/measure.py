@@ -41,6 +41,7 @@ ENGINES = ("reference", "jax")
 LIBRARIES = {"reference": "numpy", "jax": "xla"}
 VERIFY_KS = (1, 4, 8, 16)
 SPEC_K = 4
+VERIFY_KEEPS = "replay"       # the rollback strategy the verify timings run with: it keeps the tapes the pass makes anyway
 PROMPT_LEN = 64
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 MICRO = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -150,13 +151,13 @@ def measure_reference(path, repeats, checkpoint, new_tokens):
            "verify": {K: cpu_seconds(lambda: R.forward(params, cfg, drafts[:K + 1], state), repeats)
                       for K in VERIFY_KS}}
     _, _, after, tapes = R.forward(params, cfg, drafts[:SPEC_K + 1], state)
-    kept = R.keep_per_position(state, tapes)
-    out["verify_extra"] = {"per-position": cpu_seconds(lambda: R.keep_per_position(state, tapes), repeats)}
-    out["commit"] = {
-        "replay": {n: cpu_seconds(lambda: R.commit_replay(state, after, tapes, n), repeats)
-                   for n in range(1, SPEC_K + 1)},
-        "per-position": {n: cpu_seconds(lambda: R.commit_per_position(state, after, kept, n), repeats)
-                         for n in range(1, SPEC_K + 1)}}
+    out["verify_extra"], out["commit"] = {}, {}
+    for design, strategy in R.ROLLBACK.items():                              # the verify timings keep the tapes
+        if design != VERIFY_KEEPS:
+            out["verify_extra"][design] = cpu_seconds(lambda: strategy.keep(state, tapes), repeats)
+        kept = strategy.keep(state, tapes)
+        out["commit"][design] = {n: cpu_seconds(lambda: strategy.commit(state, after, kept, n), repeats)
+                                 for n in range(1, SPEC_K + 1)}
     if checkpoint:
         out["own_gemv"] = stream_rate("numpy", weight_matrices(params), 1, repeats)
 
@@ -202,13 +203,13 @@ def measure_jax(path, repeats, checkpoint, new_tokens):
     def decode():  # decode donates its state: chain it
         decode_state[0] = jax.block_until_ready(jax_impl.decode(params, cfg, drafts[0], decode_state[0]))[2]
 
-    def verify(K, design="replay"):
+    def verify(K, design=VERIFY_KEEPS):
         return lambda: jax.block_until_ready(jax_impl.verify(params, cfg, drafts[:K + 1], state, design))
     out = {"decode": cpu_seconds(decode, repeats),
            "verify": {K: cpu_seconds(verify(K), repeats) for K in VERIFY_KS}, "verify_extra": {}, "commit": {}}
     for design in R.ROLLBACK_STRATEGIES:
         _, _, after, kept = verify(SPEC_K, design)()
-        if design == "per-position":                                         # it keeps K+1 states at verify time
+        if design != VERIFY_KEEPS:                                           # what it keeps beyond the tapes
             out["verify_extra"][design] = max(cpu_seconds(verify(SPEC_K, design), repeats) - out["verify"][SPEC_K], 0)
         out["commit"][design] = {n: cpu_seconds(
             lambda: jax.block_until_ready(jax_impl.commit(design, state, after, kept, np.int32(n))), repeats)

@@ -13,7 +13,7 @@ commit(strategy, before, after, kept, n) -> the state after the first n verified
 For an engine adapter driving the pieces (conformance/engines/jax.py): draw(logits, sampling, key), the acceptance
 rules accept_greedy / accept_speculative, the MTP drafter's mtp_update / mtp_step (its state after new pairs, one
 step of its chain); the batched step with caller-given rows, explicit_step(params, cfg, slots' state, Rows, T=, K=,
-strategy=) (tokens, drafts, q, uniforms and commit rules given; nothing drafted or drawn), with read_slot /
+rollback=) (tokens, drafts, q, uniforms and commit rules given; nothing drafted or drawn), with read_slot /
 write_slot, draft_bucket, PREFILL_WIDTHS and MAX_STOP_IDS; compiled(fn, donate, cfg, statics, *args), the
 ahead-of-time compilation cache the generate loop and the server use.
 

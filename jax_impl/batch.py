@@ -76,12 +76,12 @@ class Slots(NamedTuple):
 # ----------------------------------------------------------------------------------------------------------------
 # One slot's part of a serving step: spec_decode.request_step on its row
 
-def slot_step(params, cfg, s, *, T, K, strategy, features, prefills):
+def slot_step(params, cfg, s, *, T, K, rollback, features, prefills):
     """One slot's part of a step (vmapped over the slots by `step`): s is one row of Slots."""
     drafters = compiled_drafters(features)
     row = Row(s.state, {name: s.drafts[name] for name in drafters if name in s.drafts}, s.buf, s.ntok, s.prefill_to,
               s.phase, s.key, s.stats, s.logprob)
-    row = request_step(params, cfg, row, s.settings, T=T, K=K, rollback=strategy, features=features,
+    row = request_step(params, cfg, row, s.settings, T=T, K=K, rollback=rollback, features=features,
                        drafters=drafters, prefills=prefills)
     return s._replace(**row._replace(drafts={**s.drafts, **row.drafts})._asdict())
 
@@ -89,10 +89,10 @@ def slot_step(params, cfg, s, *, T, K, strategy, features, prefills):
 # ----------------------------------------------------------------------------------------------------------------
 # Steps and the on-device loop over them
 
-def step(params, cfg, slots, *, T, K, strategy, features, prefills=True, mesh=None):
+def step(params, cfg, slots, *, T, K, rollback, features, prefills=True, mesh=None):
     """Every slot's row one step on: vmapped slot_step (the weights are read once for all rows' tokens). prefills:
     whether a row may prefill (a step without compiles no prefill)."""
-    row = partial(slot_step, params, cfg, T=T, K=K, strategy=strategy, features=features, prefills=prefills)
+    row = partial(slot_step, params, cfg, T=T, K=K, rollback=rollback, features=features, prefills=prefills)
     slots = jax.vmap(row)(slots)
     return slots if mesh is None else lax.with_sharding_constraint(slots, slot_shardings(mesh, slots))
 
@@ -104,7 +104,7 @@ def slot_shardings(mesh, slots):
     return rest._replace(state=state_shardings(mesh, slots.state, batched=True))
 
 
-def run_steps(params, cfg, slots, max_steps, stop_when_done, *, T, K, strategy, features, prefill, prefills=True,
+def run_steps(params, cfg, slots, max_steps, stop_when_done, *, T, K, rollback, features, prefill, prefills=True,
               mesh=None):
     """Steps on device until max_steps, until no row has work, until a row pauses or (stop_when_done) finishes, or,
     in a prefill-width loop (prefill), until no row prefills -> (slots, steps run). prefills: whether a row may
@@ -119,7 +119,7 @@ def run_steps(params, cfg, slots, max_steps, stop_when_done, *, T, K, strategy, 
 
     def body(carry):
         i, slots, _ = carry
-        new = step(params, cfg, slots, T=T, K=K, strategy=strategy, features=features, prefills=prefills, mesh=mesh)
+        new = step(params, cfg, slots, T=T, K=K, rollback=rollback, features=features, prefills=prefills, mesh=mesh)
         done_now = (new.phase == DONE) & (slots.phase != DONE)
         return i + 1, new, (new.phase == PAUSED).any() | (stop_when_done & done_now.any())
     steps, slots, _ = lax.while_loop(cond, body, (jnp.int32(0), slots, jnp.bool_(False)))
@@ -190,14 +190,14 @@ class Rows(NamedTuple):
     stop: jax.Array           # (B, MAX_STOP_IDS) i32, -1 padded
 
 
-def explicit_step(params, cfg, state, rows, *, T, K, strategy):
+def explicit_step(params, cfg, state, rows, *, T, K, rollback):
     """Every row's pass, decision and commit -> (logits (B, K+1, V): a prefill row's last at [0], accepted (B,),
     committed tokens (B, K+1), kept positions n (B,), the new state)."""
     def row(state, r):
         pick = jnp.where(r.prefill, jnp.maximum(r.valid - 1, 0), jnp.arange(K + 1))
-        logits, _, after, kept, _ = target_pass(params, cfg, state, r.tokens, r.valid, pick, K, strategy)
+        logits, _, after, kept, _ = target_pass(params, cfg, state, r.tokens, r.valid, pick, K, rollback)
         accepted, _, new, n_decided, _ = decide(r.tokens[1:K + 1], jnp.maximum(r.valid - 1, 0), r.q, logits,
                                                 r.sampling, r.u, r.stop, Features(True, True, True))
         n = jnp.where(r.prefill | (r.valid == 0), r.valid, jnp.where(r.keep >= 0, r.keep, n_decided))
-        return logits, accepted, new, n, commit_kept(strategy, state, after, kept, n, K)
+        return logits, accepted, new, n, commit_kept(rollback, state, after, kept, n, K)
     return jax.vmap(row)(state, rows)

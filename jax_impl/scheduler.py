@@ -194,7 +194,7 @@ class Server:
         chunk = max((int(prefill_to[i]) - int(length[i]) for i in prefilling), default=0)
         T = self.step_width or (batch.prefill_width(max(chunk, K + 1)) if prefilling else K + 1)
         features = self.features or features_of([self.live[i].request for i in working])
-        statics = dict(T=T, K=K, strategy=self.rollback, features=features,
+        statics = dict(T=T, K=K, rollback=self.rollback, features=features,
                        prefill=bool(prefilling) and not self.step_width,
                        prefills=bool(prefilling) or self.step_width is not None, mesh=self.mesh)
         if self.mesh is not None:  # slot bookkeeping (admit, resume) may have moved some leaves: back in place

@@ -271,7 +271,7 @@ class TraceSlots:
         outputs, offsets = {}, dict.fromkeys(rows, 0)
         while offsets:
             inputs = self.rows_input({s: rows[s] for s in offsets}, offsets)
-            run, _ = jax_impl.compiled(jax_impl.explicit_step, (1,), self.cfg, dict(T=self.T, K=self.K, strategy=self.rollback),
+            run, _ = jax_impl.compiled(jax_impl.explicit_step, (1,), self.cfg, dict(T=self.T, K=self.K, rollback=self.rollback),
                               self.params, self.state, inputs)
             logits, accepted, committed, n, self.state = run(self.params, self.state, inputs)
             logits, accepted, committed, n = (np.asarray(x) for x in (logits, accepted, committed, n))

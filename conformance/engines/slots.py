@@ -9,10 +9,11 @@ Its math is reference.py's, one row at a time; its memory and bookkeeping are an
   the commit needs is kept beside it. per-position (vLLM, SGLang): the state after each position, in columns
   (B, K+1, ...), and a LAZY commit: the slot's committed column, which the next forward of the slot reads its state
   from. replay (dflash-mlx): the pre-verify state and the pass's tape per slot; the commit replays the kept steps.
+  SLOT_ROLLBACK is the table of the two (a new strategy is an entry there, as in reference.ROLLBACK).
 Everything else (single requests, layers, sampling) is the reference adapter's.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -118,29 +119,15 @@ class Memory:
 
     def write_verified(self, slot, start, after, tapes, rollback):
         """A verify pass: the state after all its positions, in place (its length is set by the commit), and what
-        the rollback strategy needs to commit any prefix."""
-        if rollback == "per-position":
-            kept = [k for k in R.keep_per_position(start, tapes) if k is not None]
-            for (mem, _), k in zip(self.deltas(), kept):
-                mem.S_cols[slot, :len(k.S)], mem.conv_cols[slot, :len(k.S)] = k.S, k.conv
-        else:
-            for (mem, before), tape in zip(self.deltas(start), [t for t in tapes if t is not None]):
-                mem.S_before[slot], mem.conv_before[slot] = before.S, before.conv
-                for buffer, field in zip(mem.tape, tape):
-                    buffer[slot, :len(tape.g)] = field
+        the rollback strategy (SLOT_ROLLBACK) needs to commit any prefix."""
+        SLOT_ROLLBACK[rollback].keep(self, slot, start, after, tapes)
         self.write(slot, after, since=start.length)
         self.length[slot] = start.length         # committed positions only: the commit adds the kept ones
 
     def commit(self, slot, n, verified, rollback):
         """Keep the first n of the `verified` positions of the slot's last verify pass."""
         self.length[slot] += n
-        if rollback == "per-position":
-            self.column[slot] = n - 1            # lazy: the next forward of the slot reads this column
-        elif n < verified:                       # replay; when all are kept, the pass left the right state
-            for mem, _ in self.deltas():
-                tape = R.Tape(*(buffer[slot, :verified] for buffer in mem.tape))
-                mem.S[slot] = R.replay(mem.S_before[slot], tape, n)
-                mem.conv[slot] = R.conv_window(mem.conv_before[slot], tape.qkv, n)
+        SLOT_ROLLBACK[rollback].commit(self, slot, n, verified)
 
     def snapshot(self, request, key):
         self.cache[key] = copied(self.current(self.slot_of[request]))
@@ -149,6 +136,48 @@ class Memory:
         """A new request from a prefix-cache entry: copied into its slot, every attention position included."""
         self.write(self.admit(request), self.cache[key], since=0)
 
+
+# The rollback strategies in slot memory, one entry each (reference.ROLLBACK's names): what a verify pass keeps beside
+# the slot, and how the commit rebuilds the slot's state from it.
+
+def keep_columns(memory, slot, start, after, tapes):
+    """per-position: the state after each verified position, into the slot's columns."""
+    kept = [k for k in R.keep_per_position(start, tapes) if k is not None]
+    for (mem, _), k in zip(memory.deltas(), kept):
+        mem.S_cols[slot, :len(k.S)], mem.conv_cols[slot, :len(k.S)] = k.S, k.conv
+
+
+def commit_column(memory, slot, n, verified):
+    """per-position: the kept positions' column becomes the slot's committed column."""
+    memory.column[slot] = n - 1              # lazy: the next forward of the slot reads this column
+
+
+def keep_tape(memory, slot, start, after, tapes):
+    """replay: the pre-verify state and the pass's tape, per slot."""
+    for (mem, before), tape in zip(memory.deltas(start), [t for t in tapes if t is not None]):
+        mem.S_before[slot], mem.conv_before[slot] = before.S, before.conv
+        for buffer, field in zip(mem.tape, tape):
+            buffer[slot, :len(tape.g)] = field
+
+
+def commit_tape(memory, slot, n, verified):
+    """replay: the kept steps replayed from the pre-verify state."""
+    if n < verified:                         # when all are kept, the pass left the right state
+        for mem, _ in memory.deltas():
+            tape = R.Tape(*(buffer[slot, :verified] for buffer in mem.tape))
+            mem.S[slot] = R.replay(mem.S_before[slot], tape, n)
+            mem.conv[slot] = R.conv_window(mem.conv_before[slot], tape.qkv, n)
+
+
+class SlotRollback(NamedTuple):
+    keep: Callable       # (memory, slot, the states before and after the pass, its per-layer Tapes): stores what
+                         # the commit needs
+    commit: Callable     # (memory, slot, n, verified): the slot's state after the first n of `verified` positions
+
+
+SLOT_ROLLBACK = {"per-position": SlotRollback(keep_columns, commit_column),
+                 "replay": SlotRollback(keep_tape, commit_tape)}
+assert tuple(SLOT_ROLLBACK) == R.ROLLBACK_STRATEGIES
 
 def decide(step, logits):
     """A verify row's commit rule -> (accepted, committed, positions to keep); accepted and committed are None when
@@ -217,6 +246,7 @@ class Slots(Reference):
         steps = [step for batch in batches for step in batch]
         width = max((len(step["tokens"]) for step in steps if step["op"] == "verify"), default=1)
         memory = Memory(model[0], slots, width)
+        rollback = rollback or "replay"          # a trace without drafts names no strategy: its rows keep nothing
         for b, batch in enumerate(batches):
             rows = [(s, step) for s, step in enumerate(batch) if step["op"] in ROWS]
             outputs = {}

@@ -38,8 +38,8 @@ CATALOGUE = (
            "columns = [memory.column[slot] if spec else NONE for slot, spec in zip(slots, speculative)]"),
     Mutant("column-off-by-one", "the committed column is the number of kept positions, not that number - 1 (the "
            "state one position late; an IndexError when every draft is accepted)", "",
-           "self.column[slot] = n - 1            # lazy: the next forward of the slot reads this column",
-           "self.column[slot] = n"),
+           "memory.column[slot] = n - 1              # lazy: the next forward of the slot reads this column",
+           "memory.column[slot] = n"),
     Mutant("column-0-taken-for-none", "a pending column is tested as > 0, so column 0 (a commit that kept one "
            "position: no draft accepted) reads the base arrays, the state after every verified position", "",
            "elif column != NONE:", "elif column > 0:"),
@@ -110,12 +110,12 @@ CATALOGUE = (
            "layers.append(R.DeltaState(mem.conv_cols[slot, -1], mem.S_cols[slot, column]))"),
     Mutant("replay-from-post-verify", "replay: the pre-verify state is saved after the pass updated the slot in "
            "place, so the replay starts from the post-verify state", "",
-           "for (mem, before), tape in zip(self.deltas(start), [t for t in tapes if t is not None]):",
-           "for (mem, before), tape in zip(self.deltas(after), [t for t in tapes if t is not None]):"),
+           "for (mem, before), tape in zip(memory.deltas(start), [t for t in tapes if t is not None]):",
+           "for (mem, before), tape in zip(memory.deltas(after), [t for t in tapes if t is not None]):"),
     Mutant("replay-skipped-at-k", "replay: the 'everything accepted' test is off by one, so a commit of K of the "
            "K+1 positions keeps the post-verify state", "",
-           "elif n < verified:                       # replay; when all are kept, the pass left the right state",
-           "elif n < verified - 1:"),
+           "if n < verified:                         # when all are kept, the pass left the right state",
+           "if n < verified - 1:"),
     Mutant("replay-one-step-short", "replay: n - 1 steps replayed (the state misses the last kept position)", "",
            "mem.S[slot] = R.replay(mem.S_before[slot], tape, n)", "mem.S[slot] = R.replay(mem.S_before[slot], tape, n - 1)"),
     Mutant("replay-one-step-long", "replay: n + 1 steps replayed (the first rejected draft is kept)", "",
