@@ -17,7 +17,7 @@ from jax import lax
 
 from . import reference
 from .matvec import matmul
-from .model import gqa_attention, kv_from_reference, kv_to_reference, lm_head, mlp, rope
+from .model import gqa_attention, kv_from_reference, lm_head, mlp, rope
 from .weights import to_jax
 
 f32 = jnp.float32
@@ -123,9 +123,3 @@ def round_logits(params, w, draft_state, tapped, n, last_token, k):
     block = jnp.concatenate([jnp.reshape(last_token, (1,)).astype(jnp.int32),
                              jnp.full(k, w.dcfg.mask_token_id, jnp.int32)])
     return block_logits(params, w, draft_state, block), draft_state
-
-
-def export(draft_state):  # -> reference.DFlashState of numpy arrays in the reference's layout (the live positions)
-    n = int(draft_state.length)
-    return reference.DFlashState(tuple(jax.tree.map(lambda x: jnp.asarray(x, f32), kv_to_reference(layer, n))
-                                       for layer in draft_state.layers), n)

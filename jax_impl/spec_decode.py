@@ -755,5 +755,7 @@ def check_settings(params, cfg, settings, label=str, engine_drafters=ENGINE_DRAF
     draft = settings.get("draft", "none")
     reference.check_settings({**settings, "draft": drafter_name(draft) or draft} if "draft" in settings else settings,
                              label, engine_drafters)
+    if isinstance(draft, str) and draft in TAKE_ARGUMENTS:    # a form that takes arguments, given none
+        raise reference.UserError(f"{label('draft')} {draft}: expected {draft}:{'DIR' if 'dflash' in draft else 'ARGS'}")
     if settings.get("draft") == "mtp":
         reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer

@@ -9,14 +9,13 @@ from test_conformance import run_quietly
 
 def test_jax_passes_every_case_but_the_traces(capsys):
     """(the serving traces, through jax_impl's batched step, are tests/test_conformance_jax_traces.py's; draft trees
-    and the DFlash drafter are SKIP with their reason until jax_impl has them)"""
+    are SKIP with their reason until jax_impl has them; the DFlash drafter's case passes, jax_impl.dflash)"""
     results, code, out = run_quietly("jax", capsys, pattern="^(?!trace-)")
     assert code == 0, out
     trees = {name for name in results if name.startswith("tree-")}
-    dflash = {name for name in results if name.startswith("dflash-")}
-    assert trees and dflash and {r.status for name, r in results.items() if name not in trees | dflash} == {"PASS"}
+    assert trees and {r.status for name, r in results.items() if name not in trees} == {"PASS"}
     assert all(results[n].status == "SKIP" and "no tree verify" in results[n].note for n in trees)
-    assert all(results[n].status == "SKIP" for n in dflash)
+    assert any(name.startswith("dflash-") for name in results)
     assert {name.split("@")[0] for name in results} == {folder.name for folder in case_dirs() if not folder.name.startswith(
         "trace-") and read_manifest(folder)["kind"] not in runner.STATISTICAL}
     # and the statistical pack, drawing with jax.random as its generate loop does
