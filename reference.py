@@ -2529,13 +2529,17 @@ def reference_generate(params, cfg, prompt, args, on_tokens):
                                 args.rollback, on_tokens)
 
 
+def add_tree_flag(parser, drafters="ngram or mtp"):  # --tree, for this file's command line and jax_impl's
+    parser.add_argument(
+        "--tree", metavar="NODES[:DEPTH[:BRANCH]]",
+        help=f"verify a draft tree per round instead of a chain (with --draft {drafters}): at most NODES drafted "
+             "nodes, DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)")
+
+
 REFERENCE = Backend(
     "reference.py", "Qwen3.5 hybrid model in NumPy, with speculative decoding.",
     f"{DRAFT_FORMS} (LAYERS: 0-based layers and ranges, e.g. 1-3,6; docs/self-speculative.md)",
-    add_flags=lambda parser: parser.add_argument(
-        "--tree", metavar="NODES[:DEPTH[:BRANCH]]",
-        help="verify a draft tree per round instead of a chain (with --draft ngram or mtp): at most NODES drafted "
-             "nodes, DEPTH deep, BRANCH children per node (both default to NODES, capped at 16 and 8; docs/trees.md)"),
+    add_flags=add_tree_flag,
     context=lambda args: contextlib.nullcontext(), load=lambda args: load_model(args.model),
     prompt_logits=lambda params, cfg, prompt: forward(params, cfg, prompt, empty_state(cfg))[0],
     generate=reference_generate, summary=summary, main_process=lambda: True)

@@ -3,7 +3,7 @@ decode wall time of a chain of K = NODES drafts and of trees of NODES nodes, the
 reaches each depth, and the cost model's view (bench/costmodel.py) of what those tokens per call buy on this CPU,
 an H200 and an M4 Max.
 
-    python -m bench.tree_speed [--models default 30m] [--new-tokens 64] [--budgets 4 8 16] [--out bench/_out]
+    python -m bench.tree_speed [--models default 30m] [--new-tokens 64] [--budgets 4 8 16] [--out bench/_out] [--jax]
 
 Greedy, fp32, batch 1, replay rollback, one BLAS thread advised (OPENBLAS_NUM_THREADS=1); every run's tokens are
 checked equal to plain decoding's. Drafters: the MTP head (chain: its argmax chain; tree: its top-k at each depth,
@@ -11,7 +11,9 @@ checked equal to plain decoding's. Drafters: the MTP head (chain: its argmax cha
 continuations' trie, --draft ngram --tree) on both models (the 30M checkpoint is random: its MTP head drafts nothing
 useful). Speedup = plain decode CPU seconds / speculative decode CPU seconds (each run's CPU time less the prefill's:
 on the shared 2 cores wall times of one run vary 2-4x, CPU times ~10-20%; the least of 2 runs). Writes tree_speed.json and tree_speed.png
-(matplotlib) to --out.
+(matplotlib) to --out. --jax adds jax_impl's column for the MTP rows (jax_impl drafts trees with the MTP head only):
+its tokens per call and its speedup over its own plain decoding (jax_impl.generate's decode seconds, compile apart,
+the least of 2 runs), its tokens checked equal to plain decoding's too.
 
 The cost model's view (bench/costmodel.py tree_speedup): predicted speedup = tokens per call x decode seconds /
 (draft + verify over NODES + 1 tokens + commit), with the tokens per call measured here. Verifying a tree costs what
@@ -96,6 +98,30 @@ def run_tree(params, cfg, prompt, n, drafter, budget):
     return tokens, stats, seconds, reached(stats["accepted_depths"], budget.depth)
 
 
+def jax_decode_seconds(generate):
+    """(tokens, stats, decode seconds) of a jax_impl.generate run, the least of REPEATS (compile apart)."""
+    runs = [generate() for _ in range(REPEATS)]
+    return runs[0][0], runs[0][1], min(stats["seconds"]["decode"] for _, stats in runs)
+
+
+def jax_columns(folder, cfg, prompt, new_tokens, rows):
+    """jax_impl's tokens per call and speedup for the MTP rows (chain: draft_len = NODES; tree: tree=budget)."""
+    import jax_impl
+    _, params = jax_impl.load(folder)
+    plain, _, plain_s = jax_decode_seconds(lambda: jax_impl.generate(params, cfg, prompt, new_tokens))
+    for row in rows:
+        if row["drafter"] != "mtp":
+            continue
+        tree = None if row["kind"] == "chain" else R.TreeBudget(row["nodes"], row["depth"], row["branch"])
+        tokens, stats, seconds = jax_decode_seconds(lambda: jax_impl.generate(
+            params, cfg, prompt, new_tokens, draft="mtp", draft_len=row["nodes"], tree=tree))
+        row.update(jax_tokens_per_call=stats["tokens_per_call"], jax_speedup=plain_s / seconds,
+                   jax_exact=tokens == plain)
+        shape = f"chain K={row['nodes']}" if tree is None else f"tree {tree.nodes}:{tree.depth}:{tree.branch}"
+        print(f"  jax_impl mtp {shape:<18}{row['jax_tokens_per_call']:>10.2f}{row['jax_speedup']:>8.2f}x  "
+              f"{row['jax_exact']}", flush=True)
+
+
 def pass_costs(params, cfg, prompt, budgets):
     """This CPU's seconds of a target pass over T = 1 .. max NODES + 1 tokens after the prompt, and of one MTP head step
     (CPU seconds, median of a few runs): what the cost model's round arithmetic takes for this machine."""
@@ -108,7 +134,7 @@ def pass_costs(params, cfg, prompt, budgets):
     return forward, step
 
 
-def bench_model(name, new_tokens, budgets):
+def bench_model(name, new_tokens, budgets, with_jax=False):
     folder, drafters = MODELS[name]
     folder = folder()
     cfg, params = R.load_model(folder)
@@ -138,6 +164,8 @@ def bench_model(name, new_tokens, budgets):
                 shape = f"chain K={nodes}" if kind == "chain" else f"tree {budget.nodes}:{budget.depth}:{budget.branch}"
                 print(f"  {drafter:<8}{shape:<18}{nodes:>6}{row['tokens_per_call']:>10.2f}{row['speedup']:>8.2f}x  "
                       f"{str(row['exact']):<5}  {', '.join(f'{r:.2f}' for r in depths[:8])}", flush=True)
+    if with_jax and "mtp" in drafters:
+        jax_columns(folder, cfg, prompt, new_tokens, rows)
     return rows, cfg, costs
 
 
@@ -225,17 +253,18 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budgets", nargs="+", type=int, default=[4, 8, 16])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "_out")
+    ap.add_argument("--jax", action="store_true", help="add jax_impl's column for the MTP rows")
     args = ap.parse_args()
     rows, cfgs, costs = [], {}, {}
     for name in args.models:
-        model_rows, cfgs[name], costs[name] = bench_model(name, args.new_tokens, args.budgets)
+        model_rows, cfgs[name], costs[name] = bench_model(name, args.new_tokens, args.budgets, args.jax)
         rows += model_rows
     rows = predicted(rows, cfgs, costs)
     print_predictions(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tree_speed.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out / "tree_speed.png")
-    if not all(r["exact"] for r in rows):
+    if not all(r["exact"] and r.get("jax_exact", True) for r in rows):
         raise SystemExit("a speculative run's tokens differ from plain decoding's")
 
 

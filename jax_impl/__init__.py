@@ -8,13 +8,16 @@
 Engine verbs (the conformance adapter's): load; empty_state(cfg, capacity); prefill(params, cfg, tokens, state)
 -> logits, hidden, state, tapes; decode(params, cfg, token, state) -> logits, hidden, state (state donated);
 verify(params, cfg, tokens, state, strategy) -> logits, hidden, state after all, kept states or tapes;
-commit(strategy, before, after, kept, n) -> the state after the first n verified positions (rollback.py).
+commit(strategy, before, after, kept, n) -> the state after the first n verified positions (rollback.py);
+verify_tree(params, cfg, tokens, parents, state, strategy) and commit_tree(strategy, before, after, kept, path, n),
+the same over a draft tree and its accepted path (trees.py).
 
 For an engine adapter driving the pieces (conformance/engines/jax.py): draw(logits, sampling, key), the acceptance
-rules accept_greedy / accept_speculative, the MTP drafter's mtp_update / mtp_step (its state after new pairs, one
-step of its chain); the batched step with caller-given rows, explicit_step(params, cfg, slots' state, Rows, T=, K=,
-rollback=) (tokens, drafts, q, uniforms and commit rules given; nothing drafted or drawn), with read_slot /
-write_slot, draft_bucket, PREFILL_WIDTHS and MAX_STOP_IDS; compiled(fn, donate, cfg, statics, *args), the
+rules accept_greedy / accept_speculative (a tree's: accept_tree_greedy / accept_tree_speculative), the MTP
+drafter's mtp_update / mtp_step (its state after new pairs, one step of its chain); the batched step with
+caller-given rows, explicit_step(params, cfg, slots' state, Rows, T=, K=, rollback=) (tokens, drafts, q, uniforms
+and commit rules given; nothing drafted or drawn), with read_slot / write_slot, draft_bucket, PREFILL_WIDTHS and
+MAX_STOP_IDS; compiled(fn, donate, cfg, statics, *args), the
 ahead-of-time compilation cache the generate loop and the server use.
 
 JAX is the `jax` extra. The verbs are imported from their modules on first use, so that importing this package
@@ -32,16 +35,17 @@ else:
 
 EXPORTS = {
     "batch": ("MAX_STOP_IDS", "PREFILL_WIDTHS", "Rows", "draft_bucket", "explicit_step", "read_slot", "write_slot"),
-    "gated_delta": ("gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step"),
-    "model": ("commit", "decode", "empty_kv", "empty_state", "forward", "forward_hidden", "forward_tapped",
-              "kv_from_reference", "kv_to_reference", "lm_head", "prefill", "verify"),
+    "gated_delta": ("gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step", "gated_delta_tree"),
+    "model": ("commit", "commit_tree", "decode", "empty_kv", "empty_state", "forward", "forward_hidden",
+              "forward_tapped", "kv_from_reference", "kv_to_reference", "lm_head", "prefill", "verify", "verify_tree"),
     "rollback": ("commit_per_position", "commit_replay", "conv_window", "conv_windows", "delta_states",
                  "keep_per_position", "replay"),
     "scheduler": ("Server",),
     "sharding": ("initialize_distributed", "make_mesh"),
-    "spec_decode": ("DRAFTERS", "accept_greedy", "accept_speculative", "compiled", "draw", "generate",
-                    "generate_device", "mtp_hidden", "mtp_step", "mtp_update", "probabilities", "prompt_lookup",
-                    "request_step", "sample"),
+    "trees": ("tree_delta_states", "tree_of"),
+    "spec_decode": ("DRAFTERS", "accept_greedy", "accept_speculative", "accept_tree_greedy", "accept_tree_speculative",
+                    "compiled", "draw", "generate", "generate_device", "mtp_hidden", "mtp_step", "mtp_update",
+                    "probabilities", "prompt_lookup", "request_step", "sample"),
     "weights": ("load", "to_jax"),
 }
 MODULE_OF = {name: module for module, names in EXPORTS.items() for name in names}

@@ -6,7 +6,8 @@ flags, JSON, summary and one-line errors), plus
     --coordinator HOST:PORT --num-processes N --process-id I   join a multi-host run (jax.distributed)
 The whole generate loop runs on device, so text comes out at the end, not streamed. --draft takes none, ngram, mtp,
 partial-mlp:F[:LAYERS], mtp-shortlist:PATH, dflash:DIR or dflash-sampled:DIR (skip:N, model:DIR and the other
-self-speculative drafters are reference.py only: exit 2). Compile time is reported apart from run time.
+self-speculative drafters are reference.py only: exit 2); --tree NODES[:DEPTH[:BRANCH]] with --draft mtp (trees of
+the MTP head's top-k; n-gram trees are reference.py's). Compile time is reported apart from run time.
 """
 
 import contextlib
@@ -22,7 +23,7 @@ try:                # JAX is the `jax` extra: without it main() says so in one l
     from . import matvec
     from .model import empty_state, prefill
     from .sharding import initialize_distributed, make_mesh
-    from .spec_decode import ENGINE_DRAFTERS, generate
+    from .spec_decode import ENGINE_DRAFTERS, TREE_DRAFTERS, generate
     from .weights import DTYPES, load
 except ModuleNotFoundError as e:
     missing_jax = reference.missing_extra(e, "jax", "python -m jax_impl")
@@ -39,6 +40,7 @@ def add_flags(parser):
     ours.add_argument("--coordinator", help="multi-host: address of process 0, HOST:PORT")
     ours.add_argument("--num-processes", type=int)
     ours.add_argument("--process-id", type=int)
+    reference.add_tree_flag(ours, "mtp")
 
 
 def load_on_devices(args):
@@ -57,8 +59,12 @@ def generate_on_device(params, cfg, prompt, args, on_tokens):
     """jax_impl.generate; its tokens reach on_tokens at the end (the loop runs on device)."""
     table = reference.read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
     sampling = reference.Sampling(args.temperature, args.top_k, args.top_p)
+    tree = reference.parse_tree_budget(args.tree) if args.tree else None
+    if tree is not None and (args.draft not in TREE_DRAFTERS or table):
+        raise reference.UserError("--tree drafts with the MTP head's top-k in jax_impl: give it with --draft mtp "
+                                  "(n-gram trees run in reference.py)")
     tokens, stats = generate(params, cfg, prompt, args.max_new_tokens, sampling, args.seed, args.draft,
-                             args.draft_len, args.rollback, args.mesh, table)
+                             args.draft_len, args.rollback, args.mesh, table, tree)
     on_tokens(tokens)
     return tokens, stats
 

@@ -80,4 +80,28 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=64):
     return O.reshape((-1,) + O.shape[2:])[:T], S, Delta.reshape((-1,) + Delta.shape[2:])[:T]
 
 
-__all__ = ["gva_heads", "value_head_queries_keys", "gated_delta_step", "gated_delta_recurrent", "gated_delta_chunked"]
+def gated_delta_tree(q, k, v, g, beta, initial_state, mask):
+    """A draft tree's nodes in one chunk (reference.gated_delta_tree_chunked): each node's recurrence from its
+    parent's state. mask (N, N) bool is the inclusive ancestor mask (model.Tree); nodes are topologically ordered, so
+    the proper-ancestor part of A is strictly lower and solve_unit_lower applies. With prefix_i the sum of g over
+    i's path and Gamma_ij = exp(prefix_i - prefix_j) on the mask:
+        A     = diag(beta) K K^T * Gamma on proper ancestors
+        Delta = (I + A)^-1 diag(beta) (V - diag(e^prefix) K S)
+        O     = diag(e^prefix) Q S + (Q K^T * Gamma) Delta
+    (N, Hk, Dk) x2, (N, Hv, Dv), (N, Hv) x2, (Hv, Dk, Dv) -> o (N, Hv, Dv), delta (N, Hv, Dv)."""
+    q, k = value_head_queries_keys(q, k, v.shape[1])
+    Q, Kn, Vn, G, B = [x.swapaxes(0, 1) for x in (q, k, v, g, beta)]                       # (Hv, N, ...)
+    N = mask.shape[0]
+    prefix = jnp.einsum("hj,ij->hi", G, mask.astype(f32))                                   # (Hv, N)
+    Gamma = jnp.exp(jnp.where(mask, prefix[:, :, None] - prefix[:, None, :], -jnp.inf))     # (Hv, N, N)
+    proper = mask & ~jnp.eye(N, dtype=bool)
+    A = jnp.where(proper, jnp.einsum("hik,hjk->hij", B[..., None] * Kn, Kn) * Gamma, 0)
+    S = initial_state
+    Delta = solve_unit_lower(A, B[..., None] * (Vn - jnp.exp(prefix)[..., None] * jnp.einsum("hik,hkv->hiv", Kn, S)))
+    O = (jnp.exp(prefix)[..., None] * jnp.einsum("hik,hkv->hiv", Q, S)
+         + jnp.einsum("hij,hjv->hiv", jnp.einsum("hik,hjk->hij", Q, Kn) * Gamma, Delta))   # (Hv, N, Dv)
+    return O.swapaxes(0, 1), Delta.swapaxes(0, 1)
+
+
+__all__ = ["gva_heads", "value_head_queries_keys", "gated_delta_step", "gated_delta_recurrent", "gated_delta_chunked",
+           "gated_delta_tree"]

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import reference, rollback
-from .gated_delta import gated_delta_chunked, gated_delta_step, value_head_queries_keys
+from . import reference, rollback, trees
+from .gated_delta import gated_delta_chunked, gated_delta_step, gated_delta_tree, value_head_queries_keys
 from .matvec import matmul, matmuls
 
 AttnState, DeltaState, State, Tape = reference.AttnState, reference.DeltaState, reference.State, reference.Tape  # the spec's types
@@ -72,6 +72,15 @@ def causal_conv1d(x, window, weight, valid):  # (T, C), (W-1, C), (C, W) -> (T, 
     return y.astype(x.dtype), rollback.conv_window(window, x, valid)
 
 
+def tree_conv1d(x, window, weight, tree):  # (N, C), (W-1, C), (C, W) -> (N, C)
+    """causal_conv1d along each node's root-to-node path (reference.tree_conv1d)."""
+    W = weight.shape[1]
+    padded = jnp.concatenate([window, x])                                                       # (W-1+N, C)
+    rows = trees.tree_conv_rows(tree, window.shape[0], W)
+    y = sum(padded[rows[:, i]].astype(f32) * weight[:, i].astype(f32) for i in range(W))       # (N, C)
+    return y.astype(x.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # State
 
@@ -102,11 +111,17 @@ def empty_state(cfg, capacity, dtype=f32):
 # Layers
 
 def gated_deltanet(x, state, valid, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log,
-                   norm, out_proj):  # (T, D) -> (T, D), DeltaState, Tape
+                   norm, out_proj, tree=None):  # (T, D) -> (T, D), DeltaState, Tape
+    """tree: the tokens are a draft tree's nodes (Tree); each node's conv window and recurrence come from its own
+    path, and the returned DeltaState is the one before the pass (a tree leaves no single state: the commit
+    rebuilds it, rollback.TREE_STRATEGIES)."""
     T = x.shape[0]
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv, z, b, a = matmuls(x, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)   # (T, C), (T, Hv*Dv), (T, Hv), (T, Hv)
-    mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :], valid)       # (T, C), (W-1, C)
+    if tree is None:
+        mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :], valid)   # (T, C), (W-1, C)
+    else:                                                                      # windows along ancestor paths
+        mixed, conv = tree_conv1d(qkv, state.conv, conv1d[:, 0, :], tree), state.conv
     mixed = jax.nn.silu(mixed.astype(f32))
     q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
     k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
@@ -115,7 +130,9 @@ def gated_deltanet(x, state, valid, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_p
     beta = jnp.where(live, jax.nn.sigmoid(b.astype(f32)), 0)                   # (T, Hv)  write strength
     g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))  # (T, Hv) log decay, < 0
     g = jnp.where(live, g, 0)
-    if T == 1:                                                                 # decode: the one-step recurrence
+    if tree is not None:                                                       # from each node's parent state
+        (o, delta), S = gated_delta_tree(q, k, v, g, beta, state.S, tree.mask), state.S
+    elif T == 1:                                                               # decode: the one-step recurrence
         q1, k1 = value_head_queries_keys(q, k, Hv)
         o, S, delta = gated_delta_step(state.S, q1[0], k1[0], v[0], g[0], beta[0])
         o, delta = o[None], delta[None]
@@ -126,7 +143,8 @@ def gated_deltanet(x, state, valid, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_p
     return matmul(y, out_proj), DeltaState(conv, S), Tape(qkv, k, g, delta)
 
 
-def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm):  # (T, D) -> (T, D)
+def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
+                    tree=None):  # (T, D) -> (T, D); tree: a draft tree's nodes (Tree), written from positions[0] on
     T, Hq, Hkv, Dh = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     query_gate, k, v = matmuls(x, q_proj, k_proj, v_proj)
     query_gate = query_gate.reshape(T, Hq, 2 * Dh)                # per head: [query | gate]
@@ -138,7 +156,11 @@ def gated_attention(x, state, positions, cfg, q_proj, k_proj, v_proj, o_proj, q_
     new = kv_from_reference(AttnState(k, v))                     # (Hkv, T, Dh), (Hkv, Dh, T)
     keys = lax.dynamic_update_slice_in_dim(state.k, new.k.astype(state.k.dtype), positions[0], 1)
     values = lax.dynamic_update_slice_in_dim(state.v, new.v.astype(state.v.dtype), positions[0], 2)
-    visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]          # (T, S) causal; hides stale positions
+    if tree is None:
+        visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]      # (T, S) causal; hides stale positions
+    else:                                                                       # the prefix and own ancestors
+        row = jnp.arange(keys.shape[1]) - positions[0]                          # (S,) the node written there
+        visible = (row < 0)[None, :] | (row < T)[None, :] & tree.mask[:, jnp.clip(row, 0, T - 1)]
     out = gqa_attention(q, keys, values, visible).reshape(T, Hq * Dh)           # (T, Hq*Dh)
     return matmul(out * jax.nn.sigmoid(gate), o_proj), AttnState(keys, values)
 
@@ -175,12 +197,12 @@ def route(logits, k):  # (T, E) router logits -> expert ids (T, k), their weight
     return top, top_weights / top_weights.sum(axis=-1, keepdims=True)
 
 
-def decoder_layer(x, kind, layer, state, positions, valid, cfg):  # (T, D) -> (T, D), layer state, Tape or None
+def decoder_layer(x, kind, layer, state, positions, valid, cfg, tree=None):  # (T, D) -> (T, D), state, Tape or None
     h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
     if kind == "linear_attention":
-        y, state, tape = gated_deltanet(h, state, valid, cfg, **layer["linear_attn"])
+        y, state, tape = gated_deltanet(h, state, valid, cfg, **layer["linear_attn"], tree=tree)
     else:
-        (y, state), tape = gated_attention(h, state, positions, cfg, **layer["self_attn"]), None
+        (y, state), tape = gated_attention(h, state, positions, cfg, **layer["self_attn"], tree=tree), None
     x = x + y
     h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
     return x + (sparse_moe(h, cfg, **layer["mlp"]) if cfg.is_moe else mlp(h, **layer["mlp"])), state, tape
@@ -190,15 +212,15 @@ def lm_head(params, hidden):  # (..., D) -> (..., V) fp32
     return matmul(hidden, params["lm_head"], preferred_element_type=f32)
 
 
-def forward_tapped(params, cfg, tokens, state, valid=None, taps=()):
+def forward_tapped(params, cfg, tokens, state, valid=None, taps=(), tree=None):
     """forward_hidden, and the outputs of the layers `taps` (the residual stream after each) concatenated in that
     order, (T, len(taps) D): what a DFlash drafter reads (reference.forward's taps)."""
     valid = tokens.shape[0] if valid is None else valid
-    positions = state.length + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    positions = state.length + (jnp.arange(tokens.shape[0], dtype=jnp.int32) if tree is None else tree.depth)
     x = params["embed_tokens"][tokens]                                          # (T, D)
     layer_states, tapes, outputs = [], [], []
     for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
-        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, valid, cfg)
+        x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, valid, cfg, tree)
         layer_states.append(layer_state)
         tapes.append(tape)
         outputs.append(x)
@@ -207,9 +229,11 @@ def forward_tapped(params, cfg, tokens, state, valid=None, taps=()):
             tapped)
 
 
-def forward_hidden(params, cfg, tokens, state, valid=None):
-    """(T,) token ids after `state` -> final-normed hidden (T, D), new State, per-layer Tapes (None for attention)."""
-    return forward_tapped(params, cfg, tokens, state, valid)[:3]
+def forward_hidden(params, cfg, tokens, state, valid=None, tree=None):
+    """(T,) token ids after `state` -> final-normed hidden (T, D), new State, per-layer Tapes (None for attention).
+    With `tree` (Tree) the tokens are a draft tree's nodes (reference.tree_forward): the State's attention layers
+    hold every node's KV in node order after the prefix, its DeltaNet layers are the ones before the pass."""
+    return forward_tapped(params, cfg, tokens, state, valid, (), tree)[:3]
 
 
 def forward(params, cfg, tokens, state, valid=None):
@@ -228,6 +252,19 @@ def verify_forward(params, cfg, tokens, state, strategy):
     return logits, hidden, after, rollback.STRATEGIES[strategy].keep(state, tapes)
 
 
+def tree_forward(params, cfg, tokens, parents, state):
+    """One target pass over a draft tree, tokens and parents (N,) (reference.tree_forward) -> logits (N, V), hidden
+    (N, D), the state after it (attention: every node's KV after the prefix; DeltaNet: the state before) and the
+    per-layer Tapes (one row per node)."""
+    hidden, after, tapes = forward_hidden(params, cfg, tokens, state, tree=trees.tree_of(parents))
+    return lm_head(params, hidden), hidden, after, tapes
+
+
+def keep_tree(strategy, before, tapes, parents):
+    """What the rollback `strategy` keeps of a tree's pass (trees.TREE_STRATEGIES: per-node states, or the tapes)."""
+    return trees.TREE_STRATEGIES[strategy].keep(before, tapes, trees.tree_of(parents))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Jit-compiled entry points (the conformance adapter's verbs). cfg and rollback strategy names are static.
 
@@ -242,3 +279,15 @@ def decode(params, cfg, token, state):  # () token -> logits (V,), hidden (D,), 
 
 verify = jax.jit(verify_forward, static_argnames=("cfg", "strategy"))
 commit = jax.jit(rollback.commit, static_argnames="strategy")  # (strategy, before, after, kept, n) -> State
+tree_pass = jax.jit(tree_forward, static_argnames="cfg")
+keep_tree_compiled = jax.jit(keep_tree, static_argnames="strategy")
+
+
+def verify_tree(params, cfg, tokens, parents, state, strategy):
+    """reference.verify_tree: tree_forward, then what `strategy` keeps -> logits, hidden, state after, kept. Two
+    programs, so that both strategies share one compiled pass per model and tree size."""
+    logits, hidden, after, tapes = tree_pass(params, cfg, tokens, parents, state)
+    return logits, hidden, after, keep_tree_compiled(strategy, state, tapes, parents)
+
+
+commit_tree = jax.jit(trees.commit_tree, static_argnames="strategy")  # (strategy, before, after, kept, path, n)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import dflash, matvec, reference
+from . import dflash, matvec, reference, trees
 from .matvec import matmul
 from .model import decoder_layer, empty_kv, empty_state, forward_hidden, forward_tapped, lm_head, rms_norm
 from .rollback import STRATEGIES
@@ -117,6 +117,47 @@ def accept_speculative(draft, m, q, p, u):  # (K,), m, (K, V), (K+1, V), (K+1,) 
     residual = jnp.maximum(p[n] - jnp.concatenate([q, jnp.zeros((1, p.shape[-1]), q.dtype)])[n], 0)
     use_residual = (n < m) & (residual.sum() > 0)
     return n, sample(jnp.where(use_residual, residual, p[n]), u[K])
+
+
+def accept_tree_greedy(tokens, parents, m, logits):  # (N,), (N,), real nodes m, (N, V) -> (path (N,), its length, token)
+    """reference.accept_tree_greedy: from the root, move to the first child carrying the target's argmax while there
+    is one. One pass over the nodes in order: a node's children follow it, the first matching one is met first, and
+    once the walk moves on no later sibling is a child of the current node. The path's first n entries count."""
+    target = argmax(logits)
+
+    def visit(carry, c):
+        node, path, n = carry
+        move = (parents[c] == node) & (tokens[c] == target[node]) & (c < m)
+        return (jnp.where(move, c, node), jnp.where(move, path.at[n].set(c), path), n + move), None
+    N = len(tokens)
+    (node, path, n), _ = lax.scan(visit, (jnp.int32(0), jnp.zeros(N, i32), jnp.int32(1)), jnp.arange(1, N),
+                                  unroll=N <= 16)
+    return path, n, target[node]
+
+
+def accept_tree_speculative(tokens, parents, m, q, p, u):  # q (N-1, V), p (N, V), u (N,) -> (path (N,), length, token)
+    """reference.accept_tree_speculative (multi-draft speculative sampling, recursive rejection over the siblings) as
+    one pass over the nodes in order (accept_tree_greedy's walk): at a child c of the current node with distribution
+    p', accept with chance min(1, p'(x_c) / q[c-1](x_c)) (uniform u[c-1]), moving to p[c]; a rejection makes p' the
+    residual max(0, p' - q[c-1]) (p' itself if that is all zero), normalised before the next sibling is tried. After
+    the walk the token is drawn from p' with u[N-1] (the last uniform: a tree padded past its m real nodes puts its
+    final uniform there)."""
+    N = len(tokens)
+
+    def visit(carry, c):
+        node, target, tried, path, n = carry
+        child = (parents[c] == node) & (c < m)
+        target = jnp.where(child & tried, target / target.sum(), target)
+        x = tokens[c]
+        ok = child & (u[c - 1] < jnp.minimum(1, target[x] / q[c - 1, x]))
+        leftover = jnp.maximum(target - q[c - 1], 0)
+        rejected = jnp.where(leftover.sum() > 0, leftover, target)
+        target = jnp.where(ok, p[c], jnp.where(child, rejected, target))
+        tried = jnp.where(ok, False, tried | child)
+        return (jnp.where(ok, c, node), target, tried, jnp.where(ok, path.at[n].set(c), path), n + ok), None
+    start = (jnp.int32(0), p[0], jnp.bool_(False), jnp.zeros(N, i32), jnp.int32(1))
+    (node, target, _, path, n), _ = lax.scan(visit, start, jnp.arange(1, N), unroll=N <= 16)
+    return path, n, sample(target, u[N - 1])
 
 
 
@@ -363,6 +404,47 @@ def dflash_prepare(params, cfg, spec, K, ngram_table):
 DFLASH = DeviceDrafter(dflash_empty, dflash_propose, dflash_update, dflash_prepare,
                        lambda arrays: tuple(arrays.dcfg.target_layer_ids))
 
+
+# Tree drafters (reference.TreeDrafter): propose(params, cfg, draft_state, buf, ntok, budget, room) -> tokens (N,)
+# with the root at 0 (filled in by the round), parents (N,), real nodes m (the root included), N = budget.nodes + 1;
+# nodes past m are padding (children of the root). Drafts are deterministic: q is one-hot. buf[:ntok] is the
+# context (DeviceDrafter.propose's), `room` (traced) the depth that still fits the length limit. The drafter's state
+# and its update are its DeviceDrafter's.
+
+def top_k_tree(depth_logits, budget, room):  # (D, V) logits at depths 1..D of an argmax chain -> tokens, parents, m
+    """reference.top_k_tree on device: at depth d up to BRANCH of its most likely tokens are children of the spine's
+    node at depth d - 1 (the spine: the argmax chain); the NODES candidates most likely to be reached (the product
+    along the spine times the token's chance; ties: the shallower, then the higher ranked), depths past `room` left
+    out, ordered by depth and rank."""
+    D, B, nodes = budget.depth, budget.branch, budget.nodes
+    q = jax.nn.softmax(depth_logits.astype(f32), axis=-1)
+    chance, token = lax.top_k(q, B)                                                    # (D, B) ties: lower id first
+    reach = jnp.concatenate([jnp.ones(1, f32), jnp.cumprod(chance[:, 0])])[:D]         # of the spine's node above
+    score = jnp.where((jnp.arange(D) < room)[:, None], reach[:, None] * chance, -1).reshape(-1)   # (D B,)
+    best, index = lax.top_k(score, min(nodes, D * B))                                  # ties: lower index first
+    kept = jnp.sort(jnp.where(best >= 0, index, D * B))                                # by depth, rank; left out last
+    real = kept < D * B
+    node_of = jnp.zeros(D * B + 1, i32).at[kept].set(jnp.arange(1, len(kept) + 1))    # candidate -> its node
+    depth, rank = kept // B, kept % B
+    parents = jnp.where(real & (depth > 0), node_of[jnp.clip(depth - 1, 0, D - 1) * B], 0)
+    tokens = jnp.where(real, token.reshape(-1)[jnp.clip(kept, 0, D * B - 1)], 0)
+    pad = nodes - len(kept)
+    return (jnp.pad(jnp.concatenate([jnp.zeros(1, i32), tokens]), (0, pad)),
+            jnp.pad(jnp.concatenate([jnp.full(1, -1, i32), parents]), (0, pad)), 1 + real.sum())
+
+
+def mtp_tree_propose(params, cfg, draft_state, buf, ntok, budget, room):
+    """reference.mtp_tree_drafter: the head chains DEPTH times on its argmax (mtp_chain, from the state its update
+    left), and its logits at each depth make the tree (top_k_tree)."""
+    def pick(h, key):
+        logits = lm_head(params, h)
+        return argmax(logits), logits
+    _, depth_logits = mtp_chain(params, cfg, draft_state, budget.depth, jax.random.key(0), pick)
+    return top_k_tree(depth_logits, budget, room)
+
+
+TREE_DRAFTERS = {"mtp": mtp_tree_propose}      # --draft NAME with a tree budget (the state: DRAFTERS[NAME]'s)
+
 # name (a --draft spec's part before ":") -> DeviceDrafter: the drafters jax_impl runs on device
 DRAFTERS = {"ngram": NGRAM, "mtp": MTP, "mtp-shortlist": MTP_SHORTLIST, "partial-mlp": PARTIAL_MLP,
             "dflash": DFLASH, "dflash-sampled": DFLASH}
@@ -478,28 +560,61 @@ def propose(params, cfg, row, settings, arrays, K, sampling, key, drafters):
     return drafts, q, jnp.minimum(m, settings.limit - (row.ntok - settings.prompt_len) - 1)
 
 
-def target_pass(params, cfg, state, tokens, valid, pick, K, rollback, taps=()):
+def propose_tree(params, cfg, row, settings, budget, drafters):
+    """The request's draft tree within `budget` (reference.TreeBudget, static): its tree drafter's (TREE_DRAFTERS),
+    depths cut to the tokens left after the target's -> drafts (K,) = nodes 1..K, parents (K+1,), one-hot q (K, V),
+    how many drafted nodes count (K = budget.nodes)."""
+    K, room = budget.nodes, settings.limit - (row.ntok - settings.prompt_len) - 1
+    tokens, parents, m = jnp.zeros(K + 1, i32), jnp.pad(jnp.full(1, -1, i32), (0, K)), jnp.int32(1)
+    for name in drafters:
+        theirs = TREE_DRAFTERS[name](params, cfg, row.drafts.get(name), row.buf, row.ntok, budget, room)
+        use = drafts_with(settings, name)
+        tokens, parents, m = (select(use, new, old) for new, old in zip(theirs, (tokens, parents, m)))
+    return tokens[1:], parents, jax.nn.one_hot(tokens[1:], cfg.vocab_size, dtype=f32), m - 1
+
+
+def target_pass(params, cfg, state, tokens, valid, pick, K, rollback, parents=None, taps=()):
     """The request's pass over tokens (T,) of which `valid` count -> logits (K+1, V) at positions `pick` (K+1,),
     hidden (T, D), the state after the valid tokens, what `rollback` keeps for the first K+1 positions, and the
-    outputs of the layers `taps` (T, len(taps) D) (None without taps)."""
-    hidden, after, tapes, tapped = forward_tapped(params, cfg, tokens, state, valid, taps)
+    outputs of the layers `taps` (T, len(taps) D) (None without taps). With `parents` (K+1,) those positions are a
+    draft tree's nodes (trees.py; the rest of the T, padding, hang off the root), and what is kept is the tree
+    strategy's (trees.TREE_STRATEGIES)."""
+    tree = None if parents is None else trees.tree_of(jnp.pad(parents, (0, len(tokens) - K - 1)))
+    hidden, after, tapes, tapped = forward_tapped(params, cfg, tokens, state, valid, taps, tree)
     tapes = [None if t is None else Tape(*(x[:K + 1] for x in t)) for t in tapes]
+    if tree is not None:
+        nodes = trees.Tree(tree.mask[:K + 1, :K + 1], tree.depth[:K + 1])
+        return (lm_head(params, hidden[pick]), hidden, after, trees.TREE_STRATEGIES[rollback].keep(state, tapes, nodes),
+                tapped)
     return (lm_head(params, hidden[pick]), hidden, after, STRATEGIES[rollback].keep(state, tapes) if K else tapes,
             tapped)
 
 
-def decide(drafts, m, q, logits, sampling, u, stop, features):
+def decide(drafts, m, q, logits, sampling, u, stop, features, parents=None):
     """Accept the first m drafts (K,) against logits (K+1, V): greedy, or speculative sampling with uniforms u (K+1,)
     (u[K] draws the target's token) -> (accepted, the target's token, committed tokens (K+1,), how many: the
-    accepted drafts and the token, ending at the first stop id; whether a stop id ended them)."""
-    accepted, token = accept_greedy(drafts, m, logits)
-    if features.sample:
-        sampled = accept_speculative(drafts, m, q, probabilities(logits, sampling), u)
-        accepted, token = (select(sampling.temperature > 0, s, g) for s, g in zip(sampled, (accepted, token)))
+    accepted drafts and the token, ending at the first stop id; whether a stop id ended them; the accepted path).
+    With `parents` (K+1,) the drafts are a tree's nodes 1..K (its first m + 1 nodes real): the tree's acceptance
+    (multi-draft sampling, one-hot or given q), and the accepted drafts are the accepted path's (K+1,), of which
+    accepted + 1 count (None for a chain)."""
+    path = None
+    if parents is None:
+        accepted, token = accept_greedy(drafts, m, logits)
+        if features.sample:
+            sampled = accept_speculative(drafts, m, q, probabilities(logits, sampling), u)
+            accepted, token = (select(sampling.temperature > 0, s, g) for s, g in zip(sampled, (accepted, token)))
+    else:
+        nodes = jnp.concatenate([jnp.zeros(1, i32), drafts])
+        path, length, token = accept_tree_greedy(nodes, parents, m + 1, logits)
+        if features.sample:
+            sampled = accept_tree_speculative(nodes, parents, m + 1, q, probabilities(logits, sampling), u)
+            path, length, token = (select(sampling.temperature > 0, s, g)
+                                   for s, g in zip(sampled, (path, length, token)))
+        accepted, drafts = length - 1, nodes[path[1:]]
     positions = jnp.arange(len(drafts) + 1)
     new = jnp.where(positions < accepted, jnp.append(drafts, 0), token)
     stops = jnp.isin(new, stop) & (positions <= accepted)
-    return accepted, token, new, jnp.where(stops.any(), jnp.argmax(stops) + 1, accepted + 1), stops.any()
+    return accepted, token, new, jnp.where(stops.any(), jnp.argmax(stops) + 1, accepted + 1), stops.any(), path
 
 
 def commit_kept(rollback, before, after, kept, n, K):
@@ -532,29 +647,44 @@ def counted(stats, decoding, m, accepted):
                  stats.accepted_by_position + on * (positions < accepted))
 
 
-def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, features, drafters, prefills):
+def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, features, drafters, prefills, tree=None):
     """One step of one request -> its Row after it: a speculative round of width K (or a plain step, K = 0) when
     DECODE, a prompt chunk of up to T tokens when PREFILL (compiled in only if `prefills`: some row may prefill),
-    nothing otherwise. drafters: the names compiled in (DRAFTERS); arrays: their constant arrays (DeviceDrafter.prepare)."""
+    nothing otherwise. drafters: the names compiled in (DRAFTERS); arrays: their constant arrays (DeviceDrafter.prepare).
+    tree: a reference.TreeBudget (static; K = its nodes): the round verifies a draft tree of its drafter's
+    (TREE_DRAFTERS) and commits the accepted path."""
     st, c = settings, row.state.length
     prefilling, decoding = (row.phase == PREFILL) if prefills else False, row.phase == DECODE
     sampling = row_sampling(st, features)
     plain = drafts_with(st, "none")
     (key2, draw_key), (key3, draft_key, accept_key) = jax.random.split(row.key), jax.random.split(row.key, 3)
 
-    drafts, q, m = propose(params, cfg, row, st, arrays, K, sampling, draft_key, drafters)
+    if tree is None:
+        drafts, q, m = propose(params, cfg, row, st, arrays, K, sampling, draft_key, drafters)
+        parents = None
+    else:
+        if prefills:
+            raise NotImplementedError("a tree round beside prefilling rows (the batched step) is not written yet")
+        drafts, parents, q, m = propose_tree(params, cfg, row, st, tree, drafters)
     verify_tokens = jnp.pad(jnp.concatenate([row.buf[row.ntok - 1][None], drafts]), (0, T - K - 1))
     tokens = select(prefilling, lax.dynamic_slice_in_dim(row.buf, c, T), verify_tokens)
     valid = select(prefilling, jnp.clip(row.prefill_to - c, 0, T), jnp.where(decoding, m + 1, 0))
     pick = select(prefilling, jnp.maximum(valid - 1, 0), jnp.arange(K + 1))
     taps = drafter_taps(drafters, arrays)
-    logits, hidden, after, kept, tapped = target_pass(params, cfg, row.state, tokens, valid, pick, K, rollback, taps)
+    logits, hidden, after, kept, tapped = target_pass(params, cfg, row.state, tokens, valid, pick, K, rollback, parents,
+                                                      taps)
 
     u = select(plain, jnp.broadcast_to(jax.random.uniform(draw_key), (K + 1,)),
                uniforms_for(accept_key, K, st.draft_len))
-    accepted, _, new, n_decode, stopped = decide(drafts, m, q, logits, sampling, u, st.stop, features)
+    accepted, _, new, n_decode, stopped, path = decide(drafts, m, q, logits, sampling, u, st.stop, features, parents)
     n = jnp.where(decoding, n_decode, select(prefilling, valid, 0))
-    state = commit_kept(rollback, row.state, after, kept, n, K)
+    if tree is None:
+        state = commit_kept(rollback, row.state, after, kept, n, K)
+    else:  # the accepted path's positions: their logits, hidden states and committed state
+        committed = trees.commit_tree(rollback, row.state, after, kept, path, jnp.maximum(n, 1))
+        state = jax.tree.map(partial(jnp.where, n > 0), committed, row.state)
+        path = jnp.pad(path, (0, T - K - 1))
+        logits, hidden = logits[path[:K + 1]], hidden[path]
     buf = jnp.where(decoding, lax.dynamic_update_slice_in_dim(row.buf, new, row.ntok, 0), row.buf)
     ntok = row.ntok + jnp.where(decoding, n_decode, 0)
     prompt_done = False
@@ -611,9 +741,11 @@ def prefill_device(params, cfg, prompt, prompt_len, key, *, sampling, capacity, 
     return Prefilled(constrain_state(state, mesh), first, hidden, key, tapped)
 
 
-def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, sampling, draft, K, rollback, mesh=None):
+def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, sampling, draft, K, rollback, mesh=None,
+                  tree=None):
     """Generate up to `limit` tokens after the prompt in buf[:prompt_len] -> (buf, token count, Stats): request_step
-    in a lax.while_loop, its settings static (greedy compiles no sampling, a plain run no drafting)."""
+    in a lax.while_loop, its settings static (greedy compiles no sampling, a plain run no drafting). tree: a
+    reference.TreeBudget (K = its nodes): each round verifies a draft tree (request_step)."""
     stop = jnp.array(cfg.eos_token_id or (-1,), i32)
     settings = Settings(*sampling, drafter_name(draft), K, limit, prompt_len, stop)
     features = Features(sample=sampling.temperature > 0, top_k=sampling.temperature > 0 and sampling.top_k > 0,
@@ -633,7 +765,7 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
 
     def step(row):
         row = request_step(params, cfg, row, settings, arrays, T=K + 1, K=K, rollback=rollback, features=features,
-                           drafters=drafters, prefills=False)
+                           drafters=drafters, prefills=False, tree=tree)
         return row._replace(state=constrain_state(row.state, mesh))
 
     end = lax.while_loop(lambda row: row.phase == DECODE, step, start)
@@ -641,14 +773,14 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
 
 
 def generate_device(params, cfg, prompt, prompt_len, limit, key, arrays=None, *, sampling, draft, K, rollback,
-                    capacity, mesh=None):
+                    capacity, mesh=None, tree=None):
     """prefill_device then decode_device in one traceable function (vmap it over keys to sample many runs)."""
     taps = () if draft == "none" else drafter_taps((drafter_name(draft),), arrays)
     pre = prefill_device(params, cfg, prompt, prompt_len, key, sampling=sampling, capacity=capacity, mesh=mesh,
                          taps=taps)
     buf = jnp.zeros(capacity, jnp.int32).at[:len(prompt)].set(prompt)
     return decode_device(params, cfg, buf, prompt_len, limit, pre, arrays, sampling=sampling, draft=draft, K=K,
-                         rollback=rollback, mesh=mesh)
+                         rollback=rollback, mesh=mesh, tree=tree)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -697,16 +829,20 @@ def prefill_seeded(params, cfg, prompt, prompt_len, seed, **statics):
 
 
 def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, draft="none", draft_len=4,
-             rollback="replay", mesh=None, ngram_table=None):
+             rollback="replay", mesh=None, ngram_table=None, tree=None):
     """reference.generate / generate_speculative on device -> (tokens, stats). draft: "none", "ngram" (with an
     optional offline table, reference.build_ngram_table's format), "mtp", "partial-mlp:F[:LAYERS]",
-    "mtp-shortlist:PATH", "dflash:DIR" or "dflash-sampled:DIR" (reference.py's drafters of those specs). stats["seconds"] has compile, prefill, decode and
-    total (total leaves compile out)."""
+    "mtp-shortlist:PATH", "dflash:DIR" or "dflash-sampled:DIR" (reference.py's drafters of those specs). tree: a
+    reference.TreeBudget, draft a name in TREE_DRAFTERS: reference.generate_tree_speculative's rounds (draft_len is
+    then unused). stats["seconds"] has compile, prefill, decode and total (total leaves compile out)."""
     check_settings(params, cfg, dict(max_new_tokens=max_new_tokens, **sampling._asdict(), seed=seed, draft=draft,
                                      draft_len=draft_len, rollback=rollback))
+    if tree is not None and draft not in TREE_DRAFTERS:
+        raise reference.UserError(f"a draft tree with --draft {draft}: jax_impl drafts trees with "
+                                  f"{', '.join(TREE_DRAFTERS)} only")
     limit = reference.token_limit(cfg, list(prompt), max_new_tokens)
-    K = round_draft_len(draft, draft_len, limit)
-    P, capacity = buffer_sizes(len(prompt), limit, K)
+    K = round_draft_len(draft, draft_len, limit) if tree is None else tree.nodes
+    P, capacity = buffer_sizes(len(prompt), limit, K if tree is None else max(tree.nodes, tree.depth))
     seconds = dict.fromkeys(("compile", "prefill", "decode"), 0.0)
     tokens, counts = [], {"target_calls": 0, "proposed": 0, "accepted": 0, "proposed_by_position": [],
                           "accepted_by_position": []}
@@ -717,7 +853,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         prompt_len, seed = put(np.int32(len(prompt)), host), put(np.uint32(seed), host)
         arrays = None if draft == "none" else DRAFTERS[drafter_name(draft)].prepare(params, cfg, draft, K, ngram_table)
         arrays = jax.tree.map(lambda x: put(x, host), arrays)
-        statics = dict(sampling=sampling, draft=draft, K=K, rollback=rollback, mesh=mesh)
+        statics = dict(sampling=sampling, draft=draft, K=K, rollback=rollback, mesh=mesh, tree=tree)
 
         def run(limit):  # -> (buf, ntok, Stats), timing prefill and decode; decode_device donates the buffer
             buf, limit = put(np.pad(prompt, (0, capacity - len(prompt))), host), put(np.int32(limit), host)
@@ -743,7 +879,8 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
         counts = {name: fetch(value).tolist() for name, value in device_stats._asdict().items()}
     seconds["total"] = seconds["prefill"] + seconds["decode"]
     return tokens, reference.generation_stats(len(prompt), len(tokens), counts["target_calls"], seconds,
-                                              None if draft == "none" else counts, draft_len, rollback)
+                                              None if draft == "none" else counts,
+                                              draft_len if tree is None else tree.nodes, rollback)
 
 
 ENGINE_DRAFTERS = ("jax_impl", DRAFTER_NAMES)  # what reference.check_settings lets through to this engine

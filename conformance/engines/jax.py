@@ -5,7 +5,7 @@ Whole-model cases go through jax_impl's jit-compiled entry points (prefill, deco
 once per checkpoint and token count; greedy (and the benchmarks' timed_greedy) runs jax_impl.generate, its on-device
 generation loop; serving traces run through jax_impl.batch, its batched path (Jax.run_trace). Primitive and layer cases call jax_impl.model's functions with the case's weights, transposed to
 (in, out) by jax_impl.to_jax as the model stores them; the DFlash drafter through jax_impl.dflash. Every
-feature but draft trees is supported.
+feature is supported.
 """
 
 from functools import partial
@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import reference as R, sibling
 from . import Engine, Timed, layer_config, layer_params, moe_config, register_engine
-from ..format import FEATURE_GROUPS, FEATURES, state_tensors
+from ..format import FEATURES, state_tensors
 
 jax_impl, M, jax_impl_dflash = sibling("jax_impl"), sibling("jax_impl.model"), sibling("jax_impl.dflash")
 
@@ -30,6 +30,10 @@ forward_tapped = jax.jit(M.forward_tapped, static_argnames=("cfg", "taps"))
 dflash_round = jax.jit(jax_impl_dflash.round_logits, static_argnames="k")
 rules = {"recurrent": jax.jit(jax_impl.gated_delta_recurrent), "chunked": jax.jit(jax_impl.gated_delta_chunked)}
 PAD_TO = 128                      # multi-token calls are padded to a multiple of this (Jax.decode)
+TREE_PAD_TO = 16                  # a draft tree's nodes are padded to a multiple of this (Jax.verify_tree)
+accept_tree_greedy = jax.jit(jax_impl.accept_tree_greedy)
+accept_tree_speculative = jax.jit(jax_impl.accept_tree_speculative)
+accept_tree_rounds = jax.jit(jax.vmap(jax_impl.accept_tree_speculative, (None, None, None, None, None, 0)))
 
 
 def deltanet_layer(i, attrs, weights):
@@ -85,7 +89,7 @@ def host(x):
 
 @register_engine("jax")
 class Jax(Engine):
-    features = frozenset(FEATURES) - set(FEATURE_GROUPS["trees"])   # no tree verify in jax_impl yet
+    features = frozenset(FEATURES)
     dtype = "float32"                 # of weights and activations (jax_impl.weights.DTYPES)
 
     def load(self, checkpoint_dir):
@@ -236,6 +240,44 @@ class Jax(Engine):
                                                           jnp.asarray(uniforms))
         return int(accepted), int(token)
 
+    def verify_tree(self, model, state, tokens, parents, rollback):
+        """jax_impl.verify_tree over the tree padded to a multiple of TREE_PAD_TO nodes (children of the root, which
+        no real node sees), so that the suite's trees compile one pass per checkpoint (jax_impl.verify_tree)."""
+        cfg, params = model
+        N = len(tokens)
+        if N > cfg.max_position_embeddings - int(state.length):
+            raise ValueError(f"a tree of {N} nodes does not fit the free slots of the KV buffers")
+        tokens, parents = pad_tree(tokens, parents)
+        logits, _, after, kept = jax_impl.verify_tree(params, cfg, tokens, parents, state, rollback)
+        return host(logits[:N]), (rollback, state, after, kept, len(tokens))
+
+    def commit_tree(self, model, pending, path):
+        rollback, before, after, kept, N = pending
+        padded = np.zeros(N, np.int32)
+        padded[:len(path)] = path
+        return jax_impl.commit_tree(rollback, before, after, kept, jnp.asarray(padded), jnp.int32(len(path)))
+
+    def accept_tree(self, tokens, parents, q, logits, sampling, uniforms):
+        sampling, N = R.sampling_of(sampling), len(tokens)
+        tokens, parents = pad_tree(tokens, parents)
+        logits = jnp.asarray(np.pad(logits, ((0, len(tokens) - N), (0, 0))))
+        if sampling.temperature == 0:
+            path, n, token = accept_tree_greedy(tokens, parents, N, logits)
+        else:
+            p = jax_impl.probabilities(logits, sampling)
+            path, n, token = accept_tree_speculative(tokens, parents, N, tree_q(q, len(tokens)), p,
+                                                     jnp.asarray(tree_uniforms(uniforms, len(tokens))))
+        return np.asarray(path)[:int(n)].tolist(), int(token)
+
+    def accept_tree_draws(self, tokens, parents, q, logits, sampling, n, seed):
+        """jax_impl.accept_tree_speculative with uniforms from jax.random (u[N-1] draws the final token)."""
+        N = len(tokens)
+        tokens, parents = pad_tree(tokens, parents)
+        p = jax_impl.probabilities(jnp.asarray(np.pad(logits, ((0, len(tokens) - N), (0, 0)))), R.sampling_of(sampling))
+        u = jax.random.uniform(jax.random.key(seed), (n, len(tokens)))
+        path, length, drawn = accept_tree_rounds(tokens, parents, N, tree_q(q, len(tokens)), p, u)
+        return host(jnp.take_along_axis(path, (length - 1)[:, None], axis=1)[:, 0]), host(drawn)
+
     def run_trace(self, model, batches, rollback, slots):
         """The batched path: `slots` request slots (jax_impl's batch slot axis, released slots reused lowest first),
         each batch's rows in one call of jax_impl.explicit_step (a prefill longer than its width goes on in further
@@ -254,6 +296,24 @@ class Jax(Engine):
                 if "state" in out:
                     out.update(self.export_state(model, out.pop("state")))
                 yield b, s, out
+
+
+def pad_tree(tokens, parents):
+    """A tree's tokens and parents (N,) -> (N',) int32 on the device, N' a multiple of TREE_PAD_TO: the padding nodes
+    are children of the root."""
+    N = -(-len(tokens) // TREE_PAD_TO) * TREE_PAD_TO
+    tokens, parents = np.asarray(tokens, np.int32), np.asarray(parents, np.int32)
+    return (jnp.asarray(np.pad(tokens, (0, N - len(tokens)))), jnp.asarray(np.pad(parents, (0, N - len(parents)))))
+
+
+def tree_q(q, N):  # (n-1, V) draft distributions -> (N-1, V), zero rows for the padding nodes
+    return jnp.asarray(np.pad(np.asarray(q, np.float32), ((0, N - 1 - len(q)), (0, 0))))
+
+
+def tree_uniforms(u, N):  # (n,): u[n-1] draws the final token -> (N,), where it is u[N-1]
+    padded = np.zeros(N, np.float32)
+    padded[:len(u) - 1], padded[-1] = u[:-1], u[-1]
+    return padded
 
 
 def max_drafts(batches):
