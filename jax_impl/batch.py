@@ -117,13 +117,23 @@ def run_steps(params, cfg, slots, max_steps, stop_when_done, *, T, K, rollback, 
         i, slots, event = carry
         return (i < max_steps) & ~event & working(slots)
 
+    # One slot (and no mesh): the loop carries its row without the slot axis, as the single-request loop does.
+    # Carried with the axis, XLA wrote each KV cache twice a step into copies of it (one for the attention dot's
+    # squeezed operand, one for the carry): 4 whole-cache copies a step, none in the loop's (docs/measured.md).
+    one = mesh is None and slots.phase.shape[0] == 1
+
     def body(carry):
         i, slots, _ = carry
-        new = step(params, cfg, slots, T=T, K=K, rollback=rollback, features=features, prefills=prefills, mesh=mesh)
+        if one:
+            new = slot_step(params, cfg, slots, T=T, K=K, rollback=rollback, features=features, prefills=prefills)
+        else:
+            new = step(params, cfg, slots, T=T, K=K, rollback=rollback, features=features, prefills=prefills,
+                       mesh=mesh)
         done_now = (new.phase == DONE) & (slots.phase != DONE)
         return i + 1, new, (new.phase == PAUSED).any() | (stop_when_done & done_now.any())
-    steps, slots, _ = lax.while_loop(cond, body, (jnp.int32(0), slots, jnp.bool_(False)))
-    return slots, steps
+    carried = jax.tree.map(lambda x: x[0], slots) if one else slots
+    steps, carried, _ = lax.while_loop(cond, body, (jnp.int32(0), carried, jnp.bool_(False)))
+    return (jax.tree.map(lambda x: x[None], carried) if one else carried), steps
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -131,6 +131,22 @@ def test_random_schedules_give_each_request_its_own_run(schedule):
         assert state_error(batch.read_slot(server.slots.state, index), tokens) < STATE_BOUND
 
 
+def test_one_slot_gives_each_request_its_own_run():
+    """A one-slot server, whose loop carries the row without the slot axis (batch.run_steps): requests one after
+    another through the slot (plain and n-gram, per-position rollback, a host sync every 3 steps, so the row goes in
+    and out of the slot axis many times) get their own runs' tokens and counts. Greedy only: one small compilation."""
+    cfg, params = model()
+    server = Server(params, cfg, 1, rollback="per-position", steps_per_sync=3,
+                    **dict(PINNED, features=batch.Features()))
+    runs = [(0, 0, 5, 0), (2, 1, 5, 0), (0, 1, 9, 0)]
+    results = server.generate([request(*r) for r in runs])
+    assert server.compilations <= 1
+    for (tokens, stats), run in zip(results, runs):
+        want, want_stats = alone(*run)
+        assert tokens == want and {k: stats[k] for k in SPEC_KEYS if k in want_stats} == {
+            k: want_stats[k] for k in SPEC_KEYS if k in want_stats}, run
+
+
 def test_schedules_see_every_accept_count():
     """The prompts and drafters above accept none, some and all of a round's drafts (what the property test's
     examples rely on to exercise partial rollbacks)."""
