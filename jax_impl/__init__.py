@@ -37,7 +37,7 @@ EXPORTS = {
     "batch": ("MAX_STOP_IDS", "PREFILL_WIDTHS", "Rows", "draft_bucket", "explicit_step", "read_slot", "write_slot"),
     "gated_delta": ("gated_delta_chunked", "gated_delta_recurrent", "gated_delta_step", "gated_delta_tree"),
     "model": ("commit", "commit_tree", "decode", "empty_kv", "empty_state", "forward", "forward_hidden",
-              "kv_from_reference", "kv_to_reference", "lm_head", "prefill", "verify", "verify_tree"),
+              "forward_tapped", "kv_from_reference", "kv_to_reference", "lm_head", "prefill", "verify", "verify_tree"),
     "rollback": ("commit_per_position", "commit_replay", "conv_window", "conv_windows", "delta_states",
                  "keep_per_position", "replay"),
     "scheduler": ("Server",),

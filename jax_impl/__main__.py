@@ -5,9 +5,9 @@ flags, JSON, summary and one-line errors), plus
     --matvec {auto,xla}          decode's and verify's products on a CPU: the threaded kernel (matvec.py) or XLA's dot
     --coordinator HOST:PORT --num-processes N --process-id I   join a multi-host run (jax.distributed)
 The whole generate loop runs on device, so text comes out at the end, not streamed. --draft takes none, ngram, mtp,
-partial-mlp:F[:LAYERS] or mtp-shortlist:PATH (skip:N, model:DIR, dflash and the other self-speculative drafters are
-reference.py only: exit 2); --tree NODES[:DEPTH[:BRANCH]] with --draft mtp (trees of the MTP head's top-k; n-gram
-trees are reference.py's). Compile time is reported apart from run time.
+partial-mlp:F[:LAYERS], mtp-shortlist:PATH, dflash:DIR or dflash-sampled:DIR (skip:N, model:DIR and the other
+self-speculative drafters are reference.py only: exit 2); --tree NODES[:DEPTH[:BRANCH]] with --draft mtp (trees of
+the MTP head's top-k; n-gram trees are reference.py's). Compile time is reported apart from run time.
 """
 
 import contextlib
@@ -104,8 +104,8 @@ def native_stdout_to_stderr(args):
 
 JAX = reference.Backend(
     "python -m jax_impl", "The Qwen3.5 hybrid model and exact speculative decoding on JAX, on device.",
-    "none, ngram, mtp, partial-mlp:F[:LAYERS] or mtp-shortlist:PATH (skip:N, model:DIR, dflash and the other "
-    "self-speculative drafters are reference.py's only)", add_flags,
+    "none, ngram, mtp, partial-mlp:F[:LAYERS], mtp-shortlist:PATH, dflash:DIR or dflash-sampled:DIR (skip:N, "
+    "model:DIR and the other self-speculative drafters are reference.py's only)", add_flags,
     native_stdout_to_stderr, load_on_devices, prompt_logits, generate_on_device, summary,
     main_process=lambda: jax.process_index() == 0, engine_drafters=None if missing_jax else ENGINE_DRAFTERS)
 

@@ -205,7 +205,7 @@ def explicit_step(params, cfg, state, rows, *, T, K, rollback):
     committed tokens (B, K+1), kept positions n (B,), the new state)."""
     def row(state, r):
         pick = jnp.where(r.prefill, jnp.maximum(r.valid - 1, 0), jnp.arange(K + 1))
-        logits, _, after, kept = target_pass(params, cfg, state, r.tokens, r.valid, pick, K, rollback)
+        logits, _, after, kept, _ = target_pass(params, cfg, state, r.tokens, r.valid, pick, K, rollback)
         accepted, _, new, n_decided, _, _ = decide(r.tokens[1:K + 1], jnp.maximum(r.valid - 1, 0), r.q, logits,
                                                    r.sampling, r.u, r.stop, Features(True, True, True))
         n = jnp.where(r.prefill | (r.valid == 0), r.valid, jnp.where(r.keep >= 0, r.keep, n_decided))

@@ -212,19 +212,28 @@ def lm_head(params, hidden):  # (..., D) -> (..., V) fp32
     return matmul(hidden, params["lm_head"], preferred_element_type=f32)
 
 
-def forward_hidden(params, cfg, tokens, state, valid=None, tree=None):
-    """(T,) token ids after `state` -> final-normed hidden (T, D), new State, per-layer Tapes (None for attention).
-    With `tree` (Tree) the tokens are a draft tree's nodes (reference.tree_forward): the State's attention layers
-    hold every node's KV in node order after the prefix, its DeltaNet layers are the ones before the pass."""
+def forward_tapped(params, cfg, tokens, state, valid=None, taps=(), tree=None):
+    """forward_hidden, and the outputs of the layers `taps` (the residual stream after each) concatenated in that
+    order, (T, len(taps) D): what a DFlash drafter reads (reference.forward's taps)."""
     valid = tokens.shape[0] if valid is None else valid
     positions = state.length + (jnp.arange(tokens.shape[0], dtype=jnp.int32) if tree is None else tree.depth)
     x = params["embed_tokens"][tokens]                                          # (T, D)
-    layer_states, tapes = [], []
+    layer_states, tapes, outputs = [], [], []
     for kind, layer, layer_state in zip(cfg.layer_types, params["layers"], state.layers):
         x, layer_state, tape = decoder_layer(x, kind, layer, layer_state, positions, valid, cfg, tree)
         layer_states.append(layer_state)
         tapes.append(tape)
-    return rms_norm(x, params["norm"], cfg.rms_norm_eps), State(tuple(layer_states), state.length + valid), tapes
+        outputs.append(x)
+    tapped = jnp.concatenate([outputs[i] for i in taps], axis=-1) if taps else None
+    return (rms_norm(x, params["norm"], cfg.rms_norm_eps), State(tuple(layer_states), state.length + valid), tapes,
+            tapped)
+
+
+def forward_hidden(params, cfg, tokens, state, valid=None, tree=None):
+    """(T,) token ids after `state` -> final-normed hidden (T, D), new State, per-layer Tapes (None for attention).
+    With `tree` (Tree) the tokens are a draft tree's nodes (reference.tree_forward): the State's attention layers
+    hold every node's KV in node order after the prefix, its DeltaNet layers are the ones before the pass."""
+    return forward_tapped(params, cfg, tokens, state, valid, (), tree)[:3]
 
 
 def forward(params, cfg, tokens, state, valid=None):

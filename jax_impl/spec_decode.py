@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import matvec, reference, trees
+from . import dflash, matvec, reference, trees
 from .matvec import matmul
-from .model import decoder_layer, empty_kv, empty_state, forward_hidden, lm_head, rms_norm
+from .model import decoder_layer, empty_kv, empty_state, forward_hidden, forward_tapped, lm_head, rms_norm
 from .rollback import STRATEGIES
 from .sharding import constrain_state, fetch, put, replicated
 
@@ -165,29 +165,32 @@ def accept_tree_speculative(tokens, parents, m, q, p, u):  # q (N-1, V), p (N, V
 # Drafters. reference.Drafter is one propose function that sees the whole context and returns a variable number of
 # drafts; inside the on-device loop shapes are fixed, so a DeviceDrafter is pure functions over its own state
 # pytree, always proposing K drafts of which the first m are valid:
-#   empty(params, cfg, capacity, dtype) -> draft_state    before any token (fixed shapes; None: it keeps no state)
+#   empty(params, cfg, arrays, capacity, dtype) -> draft_state    before any token (fixed shapes; None: no state)
 #   propose(params, cfg, arrays, draft_state, state, buf, ntok, K, want, sampling, key) -> drafts (K,), q (K, V), m
-#   update(params, cfg, draft_state, tokens, hidden, n) -> draft_state    the target kept n positions of a pass
+#   update(params, cfg, arrays, draft_state, tokens, hidden, n) -> draft_state    the target kept n positions of a pass
 #   prepare(params, cfg, spec, K, ngram_table) -> the constant arrays it reads (None: none), on the host once per run;
 #                                                it checks the --draft spec and the checkpoint (reference.UserError)
+#   taps(arrays) -> the target layers whose outputs it reads as `hidden`, () for the final-normed hidden states
 # `buf[:ntok]` is the context, `state` the target's committed state (it has consumed all of it but the last token);
 # want <= K is the request's own draft length (a batch row's, traced; K, static, in the single-request loop).
 # `tokens` (T,) holds the token after each position of the pass, `hidden` (T, D) the target's final-normed hidden
-# states there (the prompt's after the prefill). A new drafter is a DeviceDrafter in DRAFTERS: the single-request
-# loop and the batched server then both run it through request_step.
+# states there, or with taps those layers' outputs concatenated (T, len(taps) D) (the prompt's after the prefill).
+# A new drafter is a DeviceDrafter in DRAFTERS: the single-request loop and the batched server then both run it
+# through request_step.
 
 class DeviceDrafter(NamedTuple):
     empty: Callable
     propose: Callable
     update: Callable
     prepare: Callable
+    taps: Callable = lambda arrays: ()
 
 
-def no_state(params, cfg, capacity, dtype):
+def no_state(params, cfg, arrays, capacity, dtype):
     return None
 
 
-def same_state(params, cfg, draft_state, tokens, hidden, n):
+def same_state(params, cfg, arrays, draft_state, tokens, hidden, n):
     return draft_state
 
 
@@ -255,7 +258,7 @@ def mtp_hidden(params, cfg, tokens, hidden, state, valid=None):  # (T,), (T, D) 
     return rms_norm(x, m["norm"], cfg.rms_norm_eps), State((layer_state,), state.length + valid)
 
 
-def mtp_empty(params, cfg, capacity, dtype):
+def mtp_empty(params, cfg, arrays, capacity, dtype):
     """The MTP head's state: (its own State, its last output hidden state (D,))."""
     return State((empty_kv(cfg, capacity, dtype),), jnp.int32(0)), jnp.zeros(cfg.hidden_size, dtype)
 
@@ -296,7 +299,11 @@ def mtp_prepare(params, cfg, spec, K, ngram_table):
     reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer
 
 
-MTP = DeviceDrafter(mtp_empty, mtp_propose, mtp_update, mtp_prepare)
+def mtp_round_update(params, cfg, arrays, draft_state, tokens, hidden, n):
+    return mtp_update(params, cfg, draft_state, tokens, hidden, n)
+
+
+MTP = DeviceDrafter(mtp_empty, mtp_propose, mtp_round_update, mtp_prepare)
 
 
 def shortlist_prepare(params, cfg, spec, K, ngram_table):
@@ -319,7 +326,7 @@ def shortlist_propose(params, cfg, arrays, draft_state, state, buf, ntok, K, wan
     return drafts, q, want
 
 
-MTP_SHORTLIST = DeviceDrafter(mtp_empty, shortlist_propose, mtp_update, shortlist_prepare)
+MTP_SHORTLIST = DeviceDrafter(mtp_empty, shortlist_propose, mtp_round_update, shortlist_prepare)
 
 
 def partial_mlp_prepare(params, cfg, spec, K, ngram_table):
@@ -365,6 +372,39 @@ def partial_mlp_propose(params, cfg, cut, draft_state, state, buf, ntok, K, want
 
 PARTIAL_MLP = DeviceDrafter(no_state, partial_mlp_propose, same_state, partial_mlp_prepare)
 
+
+def dflash_empty(params, cfg, arrays, capacity, dtype):
+    return dflash.empty(arrays.dcfg, capacity, dtype)
+
+
+def dflash_update(params, cfg, arrays, draft_state, tokens, tapped, n):
+    """The target kept n positions of a pass: their features (tapped: the drafter's target layers' outputs) join
+    the drafter's context (reference.dflash_extend)."""
+    return dflash.extend(arrays, draft_state, tapped, n)
+
+
+def dflash_propose(params, cfg, arrays, draft_state, state, buf, ntok, K, want, sampling, key):
+    """The block [buf[ntok - 1], MASK x K] after the context (the drafter's cache covers positions [0, ntok - 1)):
+    argmax drafts with a one-hot q (dflash:DIR), or each slot drawn from its distribution under `sampling`, q that
+    distribution (dflash-sampled:DIR), as reference.dflash_drafter. The block is always K + 1 long: the reference's
+    last rounds of a generation run a shorter one (their drafts may differ; the tokens are exact either way)."""
+    block = jnp.concatenate([buf[ntok - 1][None], jnp.full(K, arrays.dcfg.mask_token_id, i32)])
+    logits = dflash.block_logits(params, arrays, draft_state, block)
+    if not arrays.sampled:
+        drafts = argmax(logits)
+        return drafts, jax.nn.one_hot(drafts, cfg.vocab_size, dtype=f32), want
+    drafts, q = jax.vmap(lambda row, key: draw(row, sampling, key))(logits, jax.random.split(key, K))
+    return drafts, q, want
+
+
+def dflash_prepare(params, cfg, spec, K, ngram_table):
+    return dflash.load(params, cfg, spec)
+
+
+DFLASH = DeviceDrafter(dflash_empty, dflash_propose, dflash_update, dflash_prepare,
+                       lambda arrays: tuple(arrays.dcfg.target_layer_ids))
+
+
 # Tree drafters (reference.TreeDrafter): propose(params, cfg, draft_state, buf, ntok, budget, room) -> tokens (N,)
 # with the root at 0 (filled in by the round), parents (N,), real nodes m (the root included), N = budget.nodes + 1;
 # nodes past m are padding (children of the root). Drafts are deterministic: q is one-hot. buf[:ntok] is the
@@ -406,22 +446,28 @@ def mtp_tree_propose(params, cfg, draft_state, buf, ntok, budget, room):
 TREE_DRAFTERS = {"mtp": mtp_tree_propose}      # --draft NAME with a tree budget (the state: DRAFTERS[NAME]'s)
 
 # name (a --draft spec's part before ":") -> DeviceDrafter: the drafters jax_impl runs on device
-DRAFTERS = {"ngram": NGRAM, "mtp": MTP, "mtp-shortlist": MTP_SHORTLIST, "partial-mlp": PARTIAL_MLP}
+DRAFTERS = {"ngram": NGRAM, "mtp": MTP, "mtp-shortlist": MTP_SHORTLIST, "partial-mlp": PARTIAL_MLP,
+            "dflash": DFLASH, "dflash-sampled": DFLASH}
 DRAFTER_NAMES = ("none", *DRAFTERS)              # a request's drafter; a batch row holds its index here
+TAKE_ARGUMENTS = {*reference.SELF_SPECULATIVE, "dflash", "dflash-sampled"}   # their --draft specs are NAME:ARGS
 
 
 def drafter_name(spec):
     """A --draft spec's drafter: partial-mlp:0.25 -> partial-mlp; None when jax_impl runs no such form (a name that
     takes arguments without them, or the other way round)."""
     name, _, args = spec.partition(":")
-    takes_args = name in reference.SELF_SPECULATIVE
-    return name if name in DRAFTER_NAMES and bool(args) == takes_args else None
+    return name if name in DRAFTER_NAMES and bool(args) == (name in TAKE_ARGUMENTS) else None
 
 
-def empty_drafts(params, cfg, drafters, capacity, dtype):
+def empty_drafts(params, cfg, drafters, capacity, dtype, arrays=None):
     """{name: empty state} of the drafters (names) that keep one."""
-    states = {name: DRAFTERS[name].empty(params, cfg, capacity, dtype) for name in drafters}
+    states = {name: DRAFTERS[name].empty(params, cfg, arrays, capacity, dtype) for name in drafters}
     return {name: state for name, state in states.items() if state is not None}
+
+
+def drafter_taps(drafters, arrays):
+    """The target layers the compiled drafters read the outputs of (one drafter with taps at most: () for none)."""
+    return next((DRAFTERS[name].taps(arrays) for name in drafters if DRAFTERS[name].taps(arrays)), ())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -527,18 +573,21 @@ def propose_tree(params, cfg, row, settings, budget, drafters):
     return tokens[1:], parents, jax.nn.one_hot(tokens[1:], cfg.vocab_size, dtype=f32), m - 1
 
 
-def target_pass(params, cfg, state, tokens, valid, pick, K, rollback, parents=None):
+def target_pass(params, cfg, state, tokens, valid, pick, K, rollback, parents=None, taps=()):
     """The request's pass over tokens (T,) of which `valid` count -> logits (K+1, V) at positions `pick` (K+1,),
-    hidden (T, D), the state after the valid tokens, and what `rollback` keeps for the first K+1 positions. With
-    `parents` (K+1,) those positions are a draft tree's nodes (trees.py; the rest of the T, padding, hang off the
-    root), and what is kept is the tree strategy's (trees.TREE_STRATEGIES)."""
+    hidden (T, D), the state after the valid tokens, what `rollback` keeps for the first K+1 positions, and the
+    outputs of the layers `taps` (T, len(taps) D) (None without taps). With `parents` (K+1,) those positions are a
+    draft tree's nodes (trees.py; the rest of the T, padding, hang off the root), and what is kept is the tree
+    strategy's (trees.TREE_STRATEGIES)."""
     tree = None if parents is None else trees.tree_of(jnp.pad(parents, (0, len(tokens) - K - 1)))
-    hidden, after, tapes = forward_hidden(params, cfg, tokens, state, valid, tree)
+    hidden, after, tapes, tapped = forward_tapped(params, cfg, tokens, state, valid, taps, tree)
     tapes = [None if t is None else Tape(*(x[:K + 1] for x in t)) for t in tapes]
     if tree is not None:
         nodes = trees.Tree(tree.mask[:K + 1, :K + 1], tree.depth[:K + 1])
-        return lm_head(params, hidden[pick]), hidden, after, trees.TREE_STRATEGIES[rollback].keep(state, tapes, nodes)
-    return lm_head(params, hidden[pick]), hidden, after, STRATEGIES[rollback].keep(state, tapes) if K else tapes
+        return (lm_head(params, hidden[pick]), hidden, after, trees.TREE_STRATEGIES[rollback].keep(state, tapes, nodes),
+                tapped)
+    return (lm_head(params, hidden[pick]), hidden, after, STRATEGIES[rollback].keep(state, tapes) if K else tapes,
+            tapped)
 
 
 def decide(drafts, m, q, logits, sampling, u, stop, features, parents=None):
@@ -621,7 +670,9 @@ def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, fea
     tokens = select(prefilling, lax.dynamic_slice_in_dim(row.buf, c, T), verify_tokens)
     valid = select(prefilling, jnp.clip(row.prefill_to - c, 0, T), jnp.where(decoding, m + 1, 0))
     pick = select(prefilling, jnp.maximum(valid - 1, 0), jnp.arange(K + 1))
-    logits, hidden, after, kept = target_pass(params, cfg, row.state, tokens, valid, pick, K, rollback, parents)
+    taps = drafter_taps(drafters, arrays)
+    logits, hidden, after, kept, tapped = target_pass(params, cfg, row.state, tokens, valid, pick, K, rollback, parents,
+                                                      taps)
 
     u = select(plain, jnp.broadcast_to(jax.random.uniform(draw_key), (K + 1,)),
                uniforms_for(accept_key, K, st.draft_len))
@@ -653,7 +704,8 @@ def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, fea
             logprob = jnp.where(prompt_done, logprob.at[row.ntok].set(logprobs[0, first]), logprob)
 
     after_tokens = lax.dynamic_slice_in_dim(buf, c + 1, T)     # the token after each position of the pass
-    drafts_state = {name: DRAFTERS[name].update(params, cfg, draft_state, after_tokens, hidden,
+    drafts_state = {name: DRAFTERS[name].update(params, cfg, arrays, draft_state, after_tokens,
+                                                tapped if DRAFTERS[name].taps(arrays) else hidden,
                                                 jnp.where(drafts_with(st, name), n, 0))
                     for name, draft_state in row.drafts.items()}
 
@@ -677,15 +729,16 @@ class Prefilled(NamedTuple):
     first: jax.Array      # the first generated token
     hidden: jax.Array     # (P, D) the padded prompt's final-normed hidden states (the MTP head reads them)
     key: jax.Array
+    tapped: jax.Array = None   # (P, len(taps) D) the outputs of the layers `taps` (a DFlash drafter reads them)
 
 
-def prefill_device(params, cfg, prompt, prompt_len, key, *, sampling, capacity, mesh=None):
+def prefill_device(params, cfg, prompt, prompt_len, key, *, sampling, capacity, mesh=None, taps=()):
     """Prefill the padded prompt (P,) of which prompt_len tokens are real, and draw the first token."""
     state = constrain_state(empty_state(cfg, capacity, params["embed_tokens"].dtype), mesh)
-    hidden, state, _ = forward_hidden(params, cfg, prompt, state, valid=prompt_len)
+    hidden, state, _, tapped = forward_tapped(params, cfg, prompt, state, prompt_len, taps)
     key, sub = jax.random.split(key)
     first, _ = draw(lm_head(params, hidden[prompt_len - 1]), sampling, sub)
-    return Prefilled(constrain_state(state, mesh), first, hidden, key)
+    return Prefilled(constrain_state(state, mesh), first, hidden, key, tapped)
 
 
 def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, sampling, draft, K, rollback, mesh=None,
@@ -701,8 +754,10 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
     drafters = () if name == "none" else (name,)
     buf = buf.at[prompt_len].set(pre.first)
     prompt_pairs = buf[1:len(pre.hidden) + 1]       # the token after each prompt position
-    drafts = {name: DRAFTERS[name].update(params, cfg, draft_state, prompt_pairs, pre.hidden, prompt_len)
-              for name, draft_state in empty_drafts(params, cfg, drafters, len(buf), params["embed_tokens"].dtype).items()}
+    empty = empty_drafts(params, cfg, drafters, len(buf), params["embed_tokens"].dtype, arrays)
+    drafts = {name: DRAFTERS[name].update(params, cfg, arrays, draft_state, prompt_pairs,
+                                          pre.tapped if DRAFTERS[name].taps(arrays) else pre.hidden, prompt_len)
+              for name, draft_state in empty.items()}
     zero = jnp.int32(0)
     phase = jnp.where(jnp.isin(pre.first, stop) | (limit <= 1), DONE, DECODE)
     start = Row(pre.state, drafts, buf, prompt_len + 1, prompt_len, phase, pre.key,
@@ -720,7 +775,9 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
 def generate_device(params, cfg, prompt, prompt_len, limit, key, arrays=None, *, sampling, draft, K, rollback,
                     capacity, mesh=None, tree=None):
     """prefill_device then decode_device in one traceable function (vmap it over keys to sample many runs)."""
-    pre = prefill_device(params, cfg, prompt, prompt_len, key, sampling=sampling, capacity=capacity, mesh=mesh)
+    taps = () if draft == "none" else drafter_taps((drafter_name(draft),), arrays)
+    pre = prefill_device(params, cfg, prompt, prompt_len, key, sampling=sampling, capacity=capacity, mesh=mesh,
+                         taps=taps)
     buf = jnp.zeros(capacity, jnp.int32).at[:len(prompt)].set(prompt)
     return decode_device(params, cfg, buf, prompt_len, limit, pre, arrays, sampling=sampling, draft=draft, K=K,
                          rollback=rollback, mesh=mesh, tree=tree)
@@ -774,10 +831,10 @@ def prefill_seeded(params, cfg, prompt, prompt_len, seed, **statics):
 def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, draft="none", draft_len=4,
              rollback="replay", mesh=None, ngram_table=None, tree=None):
     """reference.generate / generate_speculative on device -> (tokens, stats). draft: "none", "ngram" (with an
-    optional offline table, reference.build_ngram_table's format), "mtp", "partial-mlp:F[:LAYERS]" or
-    "mtp-shortlist:PATH" (reference.py's drafters of those specs). tree: a reference.TreeBudget, draft a name in
-    TREE_DRAFTERS: reference.generate_tree_speculative's rounds (draft_len is then unused). stats["seconds"] has
-    compile, prefill, decode and total (total leaves compile out)."""
+    optional offline table, reference.build_ngram_table's format), "mtp", "partial-mlp:F[:LAYERS]",
+    "mtp-shortlist:PATH", "dflash:DIR" or "dflash-sampled:DIR" (reference.py's drafters of those specs). tree: a
+    reference.TreeBudget, draft a name in TREE_DRAFTERS: reference.generate_tree_speculative's rounds (draft_len is
+    then unused). stats["seconds"] has compile, prefill, decode and total (total leaves compile out)."""
     check_settings(params, cfg, dict(max_new_tokens=max_new_tokens, **sampling._asdict(), seed=seed, draft=draft,
                                      draft_len=draft_len, rollback=rollback))
     if tree is not None and draft not in TREE_DRAFTERS:
@@ -808,8 +865,9 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
             return out
 
         start = time.perf_counter()
-        run_prefill, fresh = compiled(prefill_seeded, (), cfg, dict(sampling=sampling, capacity=capacity, mesh=mesh),
-                                      params, padded, prompt_len, seed)
+        taps = () if draft == "none" else drafter_taps((drafter_name(draft),), arrays)
+        run_prefill, fresh = compiled(prefill_seeded, (), cfg, dict(sampling=sampling, capacity=capacity, mesh=mesh,
+                                                                    taps=taps), params, padded, prompt_len, seed)
         shapes = (jax.ShapeDtypeStruct((capacity,), jnp.int32), prompt_len, prompt_len,
                   run_prefill.out_info, arrays)
         run_decode, fresh_loop = compiled(decode_device, (1,), cfg, statics, params, *shapes)
@@ -834,5 +892,7 @@ def check_settings(params, cfg, settings, label=str, engine_drafters=ENGINE_DRAF
     draft = settings.get("draft", "none")
     reference.check_settings({**settings, "draft": drafter_name(draft) or draft} if "draft" in settings else settings,
                              label, engine_drafters)
+    if isinstance(draft, str) and draft in TAKE_ARGUMENTS:    # a form that takes arguments, given none
+        raise reference.UserError(f"{label('draft')} {draft}: expected {draft}:{'DIR' if 'dflash' in draft else 'ARGS'}")
     if settings.get("draft") == "mtp":
         reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer

@@ -8,15 +8,14 @@ from test_conformance import run_quietly
 
 
 def test_jax_passes_every_case_but_the_traces(capsys):
-    """(the serving traces, through jax_impl's batched step, are tests/test_conformance_jax_traces.py's; the DFlash
-    drafter is SKIP with its reason until jax_impl has it). The draft trees pass, under both rollback strategies."""
+    """(the serving traces, through jax_impl's batched step, are tests/test_conformance_jax_traces.py's). The draft
+    trees pass, under both rollback strategies, and the DFlash drafter's case (jax_impl.dflash)."""
     results, code, out = run_quietly("jax", capsys, pattern="^(?!trace-)")
     assert code == 0, out
     trees = {name for name in results if name.startswith("tree-")}
     dflash = {name for name in results if name.startswith("dflash-")}
-    assert trees and dflash and {r.status for name, r in results.items() if name not in dflash} == {"PASS"}
+    assert trees and dflash and {r.status for r in results.values()} == {"PASS"}
     assert {name.split("@")[1] for name in trees} == {"per-position", "replay"}
-    assert all(results[n].status == "SKIP" for n in dflash)
     assert {name.split("@")[0] for name in results} == {folder.name for folder in case_dirs() if not folder.name.startswith(
         "trace-") and read_manifest(folder)["kind"] not in runner.STATISTICAL}
     # and the statistical pack (its trees' too), drawing with jax.random as its generate loop does

@@ -308,10 +308,28 @@ def test_the_command_lines_run_or_refuse_the_drafter():
                              text=True)
         assert run.returncode == 0 and json.loads(run.stdout)["tokens"] == plain, run.stderr
     run = subprocess.run([sys.executable, "-m", "jax_impl", "--model", "weights/tiny-mtp", "--prompt-ids", "1,2",
-                          "--draft", "dflash:weights/tiny-mtp-dflash"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
-    assert "jax_impl runs none, ngram, mtp" in run.stderr and "dflash" in run.stderr
+                          "--draft", "dflash"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr   # (jax_impl runs dflash:DIR:
+    assert "dflash: expected dflash:DIR" in run.stderr                                    # test_jax_runs_the_trained...)
+
+
+def test_jax_runs_the_trained_drafter_on_device_with_the_references_drafts():
+    """jax_impl's on-device loop with weights/default-dflash (jax_impl.dflash in spec_decode's round): greedy gives
+    plain decoding's tokens, and the same drafts accepted at each position as reference.py's drafter (a block of 8;
+    the drafts differ only if the drafter does: a mask in the first slot, a missing crop, the wrong taps)."""
+    pytest.importorskip("jax")
+    import jax_impl
+    cfg, params = R.load_model(ROOT / "weights" / "default")
+    prompt = R.load_tokenizer(ROOT / "weights" / "default").encode("def read_lines(path):\n").ids
+    spec = f"dflash:{ROOT / 'weights' / 'default-dflash'}"
+    plain, _ = R.generate(params, cfg, prompt, 24, R.Sampling(), np.random.default_rng(0))
+    _, expected = R.generate_speculative(params, cfg, prompt, 24, R.Sampling(), np.random.default_rng(0),
+                                         R.make_drafter(spec, params, cfg), 7, "replay")
+    jax_cfg, jax_params = jax_impl.load(ROOT / "weights" / "default")
+    tokens, stats = jax_impl.generate(jax_params, jax_cfg, prompt, 24, draft=spec, draft_len=7)
+    assert tokens == plain, stats
+    assert stats["accepted"] >= 2 and stats["accepted_by_position"] == expected["accepted_by_position"], (stats,
+                                                                                                          expected)
 
 
 def test_the_tiny_drafter_is_what_its_script_writes(tmp_path):

@@ -195,7 +195,8 @@ def test_cli_json_matches_reference_cli():
 
 @pytest.mark.parametrize("args, message", [
     (["--prompt-ids", "1,2", "--draft", "skip:2"],
-     "jax_impl runs none, ngram, mtp, mtp-shortlist and partial-mlp on device (its other --draft forms run in reference.py only)"),
+     "jax_impl runs none, ngram, mtp, mtp-shortlist, partial-mlp, dflash and dflash-sampled on device (its other "
+     "--draft forms run in reference.py only)"),
     (["--prompt-ids", "1,2", "--dtype", "float16"], "--dtype"),
     (["--prompt-ids", "1,2", "--devices", "64"], "--devices 64"),
     (["--prompt-ids", "1,2", "--temperature", "-1"], "--temperature"),

@@ -443,4 +443,4 @@ def test_jax_impl_refuses_the_self_speculative_drafters_it_does_not_run_in_one_l
     run = subprocess.run([sys.executable, "-m", "jax_impl", "--prompt-ids", "1,2", "--draft", "skip-blocks:2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
-    assert "--draft skip-blocks:2: jax_impl runs none, ngram, mtp, mtp-shortlist and partial-mlp on device" in run.stderr
+    assert "--draft skip-blocks:2: jax_impl runs none, ngram, mtp, mtp-shortlist, partial-mlp, dflash and dflash-sampled on device" in run.stderr

@@ -4,7 +4,8 @@ adapter with bf16 weights and activations.
 Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, commit), which compile
 once per checkpoint and token count; greedy (and the benchmarks' timed_greedy) runs jax_impl.generate, its on-device
 generation loop; serving traces run through jax_impl.batch, its batched path (Jax.run_trace). Primitive and layer cases call jax_impl.model's functions with the case's weights, transposed to
-(in, out) by jax_impl.to_jax as the model stores them. Every feature is supported.
+(in, out) by jax_impl.to_jax as the model stores them; the DFlash drafter through jax_impl.dflash. Every
+feature is supported.
 """
 
 from functools import partial
@@ -17,7 +18,7 @@ from .. import reference as R, sibling
 from . import Engine, Timed, layer_config, layer_params, moe_config, register_engine
 from ..format import FEATURES, state_tensors
 
-jax_impl, M = sibling("jax_impl"), sibling("jax_impl.model")
+jax_impl, M, jax_impl_dflash = sibling("jax_impl"), sibling("jax_impl.model"), sibling("jax_impl.dflash")
 
 # Layers and the delta rule compiled, as the model runs them (primitives run op by op)
 jit = partial(jax.jit, static_argnames="cfg")
@@ -25,6 +26,8 @@ deltanet, attention, moe = jit(M.gated_deltanet), jit(M.gated_attention), jit(M.
 mlp = jax.jit(M.mlp)
 mtp_update = jax.jit(jax_impl.mtp_update, static_argnums=(1, 5))
 mtp_step = jax.jit(jax_impl.mtp_step, static_argnums=1)
+forward_tapped = jax.jit(M.forward_tapped, static_argnames=("cfg", "taps"))
+dflash_round = jax.jit(jax_impl_dflash.round_logits, static_argnames="k")
 rules = {"recurrent": jax.jit(jax_impl.gated_delta_recurrent), "chunked": jax.jit(jax_impl.gated_delta_chunked)}
 PAD_TO = 128                      # multi-token calls are padded to a multiple of this (Jax.decode)
 TREE_PAD_TO = 16                  # a draft tree's nodes are padded to a multiple of this (Jax.verify_tree)
@@ -86,7 +89,7 @@ def host(x):
 
 @register_engine("jax")
 class Jax(Engine):
-    features = frozenset(FEATURES) - {"dflash"}   # no DFlash drafter in jax_impl yet
+    features = frozenset(FEATURES)
     dtype = "float32"                 # of weights and activations (jax_impl.weights.DTYPES)
 
     def load(self, checkpoint_dir):
@@ -139,6 +142,38 @@ class Jax(Engine):
             depth_hidden.append(h)
         depth_hidden = jnp.stack(depth_hidden)
         return host(jax_impl.lm_head(params, depth_hidden)), host(depth_hidden), mtp_state
+
+    def load_dflash(self, model, drafter_dir):
+        """jax_impl's DFlash drafter (jax_impl.dflash.Weights: reference.load_dflash's checks, jax_impl's layout)."""
+        cfg, params = model
+        return jax_impl_dflash.load(params, cfg, f"dflash:{drafter_dir}")
+
+    def dflash_features(self, model, drafter, state, tokens):
+        """The target's pass as the generate loop runs it (jax_impl.forward_tapped with the drafter's taps), padded
+        like Jax.forward."""
+        cfg, params = model
+        state = self.empty_state(model) if state is None else state
+        padded = np.pad(tokens, (0, min(-len(tokens) % PAD_TO, cfg.max_position_embeddings - int(state.length) - len(tokens))))
+        _, state, _, tapped = forward_tapped(params, cfg, jnp.asarray(padded, jnp.int32), state,
+                                             jnp.int32(len(tokens)), tuple(drafter.dcfg.target_layer_ids))
+        return host(tapped[:len(tokens)]), state
+
+    def dflash_draft(self, model, drafter, dflash_state, features, last_token, k):
+        """jax_impl.dflash's round: the features appended to the drafter's cache (sized for the model's whole
+        context), then the block; jax arrays are values, so the given state is unchanged."""
+        cfg, params = model
+        if dflash_state is None:
+            dflash_state = jax_impl_dflash.empty(drafter.dcfg, cfg.max_position_embeddings, params["embed_tokens"].dtype)
+        room = cfg.max_position_embeddings - int(dflash_state.length) - len(features)
+        padded = np.pad(features, ((0, min(-len(features) % PAD_TO, room)), (0, 0)))
+        logits, dflash_state = dflash_round(params, drafter, dflash_state, jnp.asarray(padded), jnp.int32(len(features)),
+                                            jnp.int32(last_token), k)
+        return host(logits), dflash_state
+
+    def export_dflash_state(self, model, drafter, dflash_state):
+        n = int(dflash_state.length)
+        return state_tensors(R.DFlashState(tuple(jax.tree.map(host, jax_impl.kv_to_reference(layer, n))
+                                                 for layer in dflash_state.layers), n))
 
     def export_state(self, model, state):
         """Only the live part of the KV buffers, the first state.length slots, in the reference's layout."""
