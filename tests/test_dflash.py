@@ -72,11 +72,10 @@ def test_greedy_equals_plain_with_drafts_accepted_and_rejected(sampled, rollback
         assert 0 < stats["accepted"] < stats["proposed"], stats
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_speculative_sampling_with_the_drafter_preserves_the_distribution(sampled):
-    """The first 3 generated tokens over 2,000 seeded runs follow plain sampling's exact distribution, for argmax
-    proposals with a one-hot q and for each slot drawn from the drafter's softmax."""
-    cfg, params, d = small_dflash(sampled)
+def test_speculative_sampling_with_the_drafter_preserves_the_distribution():
+    """The first 3 generated tokens over 2,000 seeded runs follow plain sampling's exact distribution, each slot drawn
+    from the drafter's softmax (argmax proposals with a one-hot q: the trained drafter's checks below, for CI's time)."""
+    cfg, params, d = small_dflash(True)
     counts = output_counts(cfg, params, d, SAMPLING, SAMPLING_RUNS)
     assert chi_square_p_value(counts, exact_distribution(cfg, params, [1, 2, 3, 1, 2], 3, SAMPLING),
                               SAMPLING_RUNS) > 1e-3
