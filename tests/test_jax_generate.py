@@ -49,13 +49,15 @@ def reference_run(cfg, params, draft="none", K=4, rollback="replay", max_new=24,
 SPEC_KEYS = ("target_calls", "proposed", "accepted", "accepted_by_position", "proposed_by_position")
 
 
+# every checkpoint once, plain or drafting (each case is a compilation: about 10-20 s in CI, whose time is near its
+# limit); every drafter on two checkpoints, both rollback strategies
 @pytest.mark.parametrize("name, draft, K, rollback", [
-    ("tiny-dense", "none", 0, "replay"), ("tiny-dense", "ngram", 4, "replay"),
+    ("tiny-dense", "none", 0, "replay"),
     ("tiny-moe", "none", 0, "replay"), ("tiny-moe", "ngram", 4, "replay"),
     ("tiny-odd", "none", 0, "replay"), ("tiny-odd", "ngram", 3, "per-position"),
-    ("tiny-multimodal", "none", 0, "replay"), ("tiny-multimodal", "mtp", 2, "per-position"),
+    ("tiny-multimodal", "mtp", 2, "per-position"),
     ("tiny-mtp", "none", 0, "replay"), ("tiny-mtp", "ngram", 4, "per-position"), ("tiny-mtp", "mtp", 3, "replay"),
-    ("tiny-moe-per-expert-mtp", "none", 0, "replay"), ("tiny-moe-per-expert-mtp", "mtp", 4, "replay"),
+    ("tiny-moe-per-expert-mtp", "mtp", 4, "replay"),
 ])
 def test_greedy_matches_reference(models, name, draft, K, rollback):
     """Greedy tokens equal the reference's, plain or speculative; a speculative run also drafts, accepts and
