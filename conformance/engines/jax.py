@@ -83,6 +83,14 @@ FLOAT32_INPUTS = {"l2norm": {"x"}, "gated_delta_rule": {"q", "k", "v", "g", "bet
                   "rms_norm_gated": {"x"}, "deltanet_layer": {"state.S"}}
 
 
+MAX_CONTEXT = 4096   # positions the KV buffers hold at most: the shipped checkpoints' longest context (the default
+                     # model's); a production-shaped checkpoint's 262,144 would make the 0.8B geometry's buffers 1 GiB
+
+
+def context(cfg):
+    return min(cfg.max_position_embeddings, MAX_CONTEXT)
+
+
 def host(x):
     return np.asarray(x, np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x, np.int64)
 
@@ -99,10 +107,10 @@ class Jax(Engine):
         return self.decode(model, self.empty_state(model), tokens)
 
     def empty_state(self, model):
-        """The KV buffers hold the model's whole context, so no case outgrows them and every call of a checkpoint
-        compiles for the same state shapes."""
+        """The KV buffers hold the model's whole context (at most MAX_CONTEXT), so no case outgrows them and every
+        call of a checkpoint compiles for the same state shapes."""
         cfg, params = model
-        return jax_impl.empty_state(cfg, cfg.max_position_embeddings, params["embed_tokens"].dtype)
+        return jax_impl.empty_state(cfg, context(cfg), params["embed_tokens"].dtype)
 
     def decode(self, model, state, tokens):
         logits, _, state = self.forward(model, state, tokens)
@@ -114,9 +122,11 @@ class Jax(Engine):
         one prefill per checkpoint."""
         cfg, params = model
         if len(tokens) == 1:
+            if int(state.length) >= context(cfg):
+                raise ValueError(f"the KV buffers' {context(cfg)} positions are full")
             logits, hidden, state = jax_impl.decode(params, cfg, jnp.int32(tokens[0]), state)
             return host(logits)[None], host(hidden)[None], state
-        room = cfg.max_position_embeddings - int(state.length)
+        room = context(cfg) - int(state.length)
         if len(tokens) > room:
             raise ValueError(f"{len(tokens)} tokens do not fit the {room} free slots of the KV buffers")
         padded = np.pad(tokens, (0, min(-len(tokens) % PAD_TO, room - len(tokens))))
@@ -133,7 +143,7 @@ class Jax(Engine):
         cfg, params = model
         dtype = params["embed_tokens"].dtype
         if mtp_state is None:
-            mtp_state = R.State((jax_impl.empty_kv(cfg, cfg.max_position_embeddings, dtype),), jnp.int32(0))
+            mtp_state = R.State((jax_impl.empty_kv(cfg, context(cfg), dtype),), jnp.int32(0))
         mtp_state, h = mtp_update(params, cfg, (mtp_state, jnp.zeros(cfg.hidden_size, dtype)),
                                   jnp.asarray(tokens, jnp.int32), jnp.asarray(hidden, dtype), len(tokens))
         state, depth_hidden = mtp_state, [h]
@@ -153,7 +163,7 @@ class Jax(Engine):
         like Jax.forward."""
         cfg, params = model
         state = self.empty_state(model) if state is None else state
-        padded = np.pad(tokens, (0, min(-len(tokens) % PAD_TO, cfg.max_position_embeddings - int(state.length) - len(tokens))))
+        padded = np.pad(tokens, (0, min(-len(tokens) % PAD_TO, context(cfg) - int(state.length) - len(tokens))))
         _, state, _, tapped = forward_tapped(params, cfg, jnp.asarray(padded, jnp.int32), state,
                                              jnp.int32(len(tokens)), tuple(drafter.dcfg.target_layer_ids))
         return host(tapped[:len(tokens)]), state
@@ -163,8 +173,8 @@ class Jax(Engine):
         context), then the block; jax arrays are values, so the given state is unchanged."""
         cfg, params = model
         if dflash_state is None:
-            dflash_state = jax_impl_dflash.empty(drafter.dcfg, cfg.max_position_embeddings, params["embed_tokens"].dtype)
-        room = cfg.max_position_embeddings - int(dflash_state.length) - len(features)
+            dflash_state = jax_impl_dflash.empty(drafter.dcfg, context(cfg), params["embed_tokens"].dtype)
+        room = context(cfg) - int(dflash_state.length) - len(features)
         padded = np.pad(features, ((0, min(-len(features) % PAD_TO, room)), (0, 0)))
         logits, dflash_state = dflash_round(params, drafter, dflash_state, jnp.asarray(padded), jnp.int32(len(features)),
                                             jnp.int32(last_token), k)
@@ -245,7 +255,7 @@ class Jax(Engine):
         no real node sees), so that the suite's trees compile one pass per checkpoint (jax_impl.verify_tree)."""
         cfg, params = model
         N = len(tokens)
-        if N > cfg.max_position_embeddings - int(state.length):
+        if N > context(cfg) - int(state.length):
             raise ValueError(f"a tree of {N} nodes does not fit the free slots of the KV buffers")
         tokens, parents = pad_tree(tokens, parents)
         logits, _, after, kept = jax_impl.verify_tree(params, cfg, tokens, parents, state, rollback)
@@ -328,7 +338,7 @@ class TraceSlots:
     def __init__(self, cfg, params, slots, rollback, drafts):
         self.cfg, self.params, self.rollback = cfg, params, rollback
         self.K = jax_impl.draft_bucket(drafts)
-        capacity = cfg.max_position_embeddings + self.T     # no row's padded write ever clamps
+        capacity = context(cfg) + self.T     # no row's padded write ever clamps
         # at least MIN_ROWS rows, so that traces of 2, 3 and 4 slots share one compiled step; requests take only the
         # first `slots` (the free list), the other rows stay idle
         self.state = jax.vmap(lambda _: jax_impl.empty_state(cfg, capacity, params["embed_tokens"].dtype))(
