@@ -91,6 +91,12 @@ def context(cfg):
     return min(cfg.max_position_embeddings, MAX_CONTEXT)
 
 
+def padded_rows(x, free):
+    """x's rows padded to a multiple of PAD_TO, or by the `free` slots left after them if fewer: multi-token calls
+    then compile once per checkpoint."""
+    return np.pad(x, [(0, min(-len(x) % PAD_TO, free))] + [(0, 0)] * (np.ndim(x) - 1))
+
+
 def host(x):
     return np.asarray(x, np.float32) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x, np.int64)
 
@@ -121,15 +127,13 @@ class Jax(Engine):
         a multiple of PAD_TO (jax_impl's `valid` says how many are real): the suite's multi-token calls then compile
         one prefill per checkpoint."""
         cfg, params = model
-        if len(tokens) == 1:
-            if int(state.length) >= context(cfg):
-                raise ValueError(f"the KV buffers' {context(cfg)} positions are full")
-            logits, hidden, state = jax_impl.decode(params, cfg, jnp.int32(tokens[0]), state)
-            return host(logits)[None], host(hidden)[None], state
         room = context(cfg) - int(state.length)
         if len(tokens) > room:
             raise ValueError(f"{len(tokens)} tokens do not fit the {room} free slots of the KV buffers")
-        padded = np.pad(tokens, (0, min(-len(tokens) % PAD_TO, room - len(tokens))))
+        if len(tokens) == 1:
+            logits, hidden, state = jax_impl.decode(params, cfg, jnp.int32(tokens[0]), state)
+            return host(logits)[None], host(hidden)[None], state
+        padded = padded_rows(tokens, room - len(tokens))
         logits, hidden, state, _ = jax_impl.prefill(params, cfg, jnp.asarray(padded, jnp.int32), state,
                                                     jnp.int32(len(tokens)))
         return host(logits[:len(tokens)]), host(hidden[:len(tokens)]), state
@@ -163,7 +167,7 @@ class Jax(Engine):
         like Jax.forward."""
         cfg, params = model
         state = self.empty_state(model) if state is None else state
-        padded = np.pad(tokens, (0, min(-len(tokens) % PAD_TO, context(cfg) - int(state.length) - len(tokens))))
+        padded = padded_rows(tokens, context(cfg) - int(state.length) - len(tokens))
         _, state, _, tapped = forward_tapped(params, cfg, jnp.asarray(padded, jnp.int32), state,
                                              jnp.int32(len(tokens)), tuple(drafter.dcfg.target_layer_ids))
         return host(tapped[:len(tokens)]), state
@@ -175,7 +179,7 @@ class Jax(Engine):
         if dflash_state is None:
             dflash_state = jax_impl_dflash.empty(drafter.dcfg, context(cfg), params["embed_tokens"].dtype)
         room = context(cfg) - int(dflash_state.length) - len(features)
-        padded = np.pad(features, ((0, min(-len(features) % PAD_TO, room)), (0, 0)))
+        padded = padded_rows(features, room)
         logits, dflash_state = dflash_round(params, drafter, dflash_state, jnp.asarray(padded), jnp.int32(len(features)),
                                             jnp.int32(last_token), k)
         return host(logits), dflash_state
