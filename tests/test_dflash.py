@@ -316,8 +316,7 @@ def test_jax_runs_the_trained_drafter_on_device_with_the_references_drafts():
     """jax_impl's on-device loop with weights/default-dflash (jax_impl.dflash in spec_decode's round): greedy gives
     plain decoding's tokens, and the same drafts accepted at each position as reference.py's drafter (a block of 8;
     the drafts differ only if the drafter does: a mask in the first slot, a missing crop, the wrong taps)."""
-    pytest.importorskip("jax")
-    import jax_impl
+    import jax_impl                     # jax is a test dependency: missing, this fails rather than skips
     cfg, params = R.load_model(ROOT / "weights" / "default")
     prompt = R.load_tokenizer(ROOT / "weights" / "default").encode("def read_lines(path):\n").ids
     spec = f"dflash:{ROOT / 'weights' / 'default-dflash'}"
@@ -376,8 +375,7 @@ def test_the_trained_drafter_is_exact_and_drafts_the_default_models_own_continua
 def test_the_training_forward_is_the_spec():
     """weights/train_dflash.py's batched blocks (many anchors at once, SpecForge's mask: context before the anchor,
     the own block only) give reference.dflash_block's logits, with a sliding first layer cutting into the context."""
-    pytest.importorskip("jax")
-    import jax.numpy as jnp
+    import jax.numpy as jnp             # jax is a test dependency: missing, this fails rather than skips
     from weights import train_dflash as T
     cfg, params = model("tiny-mtp", np.float32)
     raw = {**CONFIG, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
