@@ -19,6 +19,7 @@ The model, its weights and its pitfalls in prose: docs/architecture.md. Gated De
 
 import argparse
 import contextlib
+import heapq
 import json
 import math
 import os
@@ -747,10 +748,11 @@ def tree_delta_states(S0, tape, parents):  # (Hv, Dk, Dv), Tape of N nodes -> (N
     return np.exp(prefix)[..., None, None] * S0 + np.einsum("ijh,jhk,jhv->ihkv", decay, k, tape.delta)
 
 
-def tree_forward(params, cfg, tokens, parents, state):
-    """One pass over a draft tree after `state` -> logits (N, V), hidden (N, D), the State (attention: the prefix and
-    every node's KV in node order; DeltaNet: None) and per-layer Tapes (one row per node)."""
-    return forward(params, cfg, tokens, state, parents=check_tree(parents))
+def tree_forward(params, cfg, tokens, parents, state, taps=None):
+    """One pass over a draft tree after `state` -> logits (N, V), hidden (N, D) (with taps: those layers' outputs,
+    as forward), the State (attention: the prefix and every node's KV in node order; DeltaNet: None) and per-layer
+    Tapes (one row per node)."""
+    return forward(params, cfg, tokens, state, taps, parents=check_tree(parents))
 
 
 class VerifiedTree(NamedTuple):
@@ -784,8 +786,8 @@ TREE_ROLLBACK = {"per-position": Rollback(keep_per_node, commit_path_per_positio
                  "replay": Rollback(lambda before, tapes, parents: tapes, commit_path_replay)}
 
 
-def verify_tree(params, cfg, state, tokens, parents, rollback):  # (N,), (N,) -> logits (N, V), hidden, VerifiedTree
-    logits, hidden, after, tapes = tree_forward(params, cfg, tokens, parents, state)
+def verify_tree(params, cfg, state, tokens, parents, rollback, taps=None):  # -> logits (N, V), hidden, VerifiedTree
+    logits, hidden, after, tapes = tree_forward(params, cfg, tokens, parents, state, taps)
     kept = TREE_ROLLBACK[rollback].keep(state, tapes, parents)
     return logits, hidden, VerifiedTree(state, after, kept, rollback, list(parents))
 
@@ -1325,15 +1327,19 @@ def dflash_round(params, dparams, dcfg, draft_state, tapped, last_token, k):
     return logits, dflash_crop(with_block, draft_state.length)   # the block's keys and values never stay
 
 
+def check_dflash_features(draft_state, context, new_hidden):  # features for every committed position but the last
+    if draft_state.length + len(new_hidden) != len(context) - 1:
+        raise ValueError(f"DFlash: features for {draft_state.length + len(new_hidden)} positions, the context has "
+                         f"{len(context)}")
+
+
 def dflash_drafter(name, params, cfg, dparams, dcfg, sampled=False):
     """Each round: append the newly verified positions' features (new_hidden, the target's tapped layer outputs),
     run the block [last committed token, MASK x k], propose. argmax with a one-hot q (sampled=False, as vLLM does),
     or each slot drawn independently from the drafter's distribution under the round's sampling, q that
     distribution (sampled=True: exact too, but the slots are not conditioned on each other's draws)."""
     def propose(draft_state, context, new_hidden, k, sampling, rng):
-        if draft_state.length + len(new_hidden) != len(context) - 1:   # features for every committed position but the last
-            raise ValueError(f"DFlash: features for {draft_state.length + len(new_hidden)} positions, the context has "
-                             f"{len(context)}")
+        check_dflash_features(draft_state, context, new_hidden)
         logits, draft_state = dflash_round(params, dparams, dcfg, draft_state, new_hidden, context[-1], k)
         if not k:
             return *no_drafts(cfg), draft_state
@@ -1464,10 +1470,12 @@ def ngram_tree(context, budget, max_ngram=3):  # -> tokens (N,) with the root co
 class TreeDrafter(NamedTuple):
     """A drafter of trees, a pure function over its own explicit state (Drafter's counterpart):
     propose(draft_state, context, new_hidden, budget) -> tokens (N,) (the root context[-1]), parents (N,),
-    draft_state. Its drafts are deterministic: q is one-hot (accept_tree_speculative is then exact)."""
+    draft_state. Its drafts are deterministic: q is one-hot (accept_tree_speculative is then exact). taps: as
+    Drafter's (new_hidden then holds those target layers' outputs; a DFlash tree drafter)."""
     name: str
     initial_state: object
     propose: Callable
+    taps: tuple = None
 
 
 NGRAM_TREE = TreeDrafter("ngram", None, lambda state, context, new_hidden, budget: (*ngram_tree(context, budget),
@@ -1509,6 +1517,46 @@ def mtp_tree_drafter(params, cfg):
     return TreeDrafter("mtp", initial, propose)
 
 
+def ddtree(root, block_logits, budget):  # (L, V) logits of a DFlash block's mask slots -> tokens (N,), parents (N,)
+    """DDTree (Ringel and Romano, "Accelerating speculative decoding with block diffusion draft trees"; Luce-Org
+    lucebox, dflash-mlx): one block pass gives per-position marginals q_1..q_L (softmax of the slots' logits; slot d
+    drafts depth d). Score a root-to-node path x_1..x_d by the factorised model's chance that the target walks it,
+    prod_i q_i(x_i), and keep the NODES best prefixes: best-first from the root over a heap, where popping a node
+    (depth d, x_d the rank-r token of q_d) pushes its next sibling (rank r + 1 of q_d, same parent) and its first
+    child (rank 0 of q_{d+1}). Only the BRANCH most likely tokens of each q_d are candidates, depth at most DEPTH.
+    A child scores at most its parent and is pushed only once the parent is in, so the result is a tree in
+    topological order, siblings distinct. Ties go to the earlier push. Deterministic given the logits: q per node
+    is one-hot (the tree drafters' contract, docs/trees.md)."""
+    L = min(budget.depth, len(block_logits))
+    if not L:
+        return [int(root)], [-1]
+    log_q = np.log(softmax(np.asarray(block_logits[:L], np.float64)))                   # (L, V)
+    order = np.argsort(-log_q, axis=-1, kind="stable")[:, :budget.branch]              # (L, BRANCH) candidates per depth
+    tokens, parents, pushes = [int(root)], [-1], 1
+    heap = [(-log_q[0, order[0, 0]], 0, 0.0, 0, 1, 0)]          # (-score, push order, parent's score, parent, d, rank)
+    while heap and len(tokens) - 1 < budget.nodes:
+        neg, _, base, parent, d, rank = heapq.heappop(heap)
+        tokens.append(int(order[d - 1, rank]))
+        parents.append(parent)
+        node, score = len(tokens) - 1, -neg
+        nexts = [(base, parent, d, rank + 1)] if rank + 1 < order.shape[1] else []
+        nexts += [(score, node, d + 1, 0)] if d < L else []
+        for b, p, dd, r in nexts:
+            heapq.heappush(heap, (-(b + log_q[dd - 1, order[dd - 1, r]]), pushes, b, p, dd, r))
+            pushes += 1
+    return tokens, parents
+
+
+def dflash_tree_drafter(name, params, cfg, dparams, dcfg):
+    """DDTree over a DFlash drafter: each round one block [last committed token, MASK x DEPTH] (dflash_round, the
+    chain drafter's pass: same features, same crop), then ddtree over its slots' logits within the budget."""
+    def propose(draft_state, context, new_hidden, budget):
+        check_dflash_features(draft_state, context, new_hidden)
+        logits, draft_state = dflash_round(params, dparams, dcfg, draft_state, new_hidden, context[-1], budget.depth)
+        return (*ddtree(context[-1], logits, budget), draft_state)
+    return TreeDrafter(name, dflash_empty_state(dcfg), propose, taps=dflash_taps(dcfg))
+
+
 def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng, drafter, budget,
                               rollback="replay", on_tokens=lambda new: None):
     """Speculative decoding with a draft tree per round from a TreeDrafter (one-hot q: deterministic drafts), within
@@ -1516,7 +1564,7 @@ def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng
     limit, tokens, calls, start = token_limit(cfg, prompt, max_new_tokens), [], 0, time.perf_counter()
     prefill_done, draft_state, drafted, accepted, draft_s = start, drafter.initial_state, [], [], 0.0
     if limit > 0:
-        logits, new_hidden, state, _ = forward(params, cfg, prompt, empty_state(cfg))
+        logits, new_hidden, state, _ = forward(params, cfg, prompt, empty_state(cfg), drafter.taps)
         prefill_done = time.perf_counter()
         tokens.append(sample(probabilities(logits[-1], sampling), rng.random()))
         on_tokens(tokens[-1:])
@@ -1525,7 +1573,7 @@ def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng
         drafting = time.perf_counter()
         tree, parents, draft_state = drafter.propose(draft_state, list(prompt) + tokens, new_hidden, room)
         draft_s += time.perf_counter() - drafting
-        logits, hidden, verified = verify_tree(params, cfg, state, tree, parents, rollback)
+        logits, hidden, verified = verify_tree(params, cfg, state, tree, parents, rollback, drafter.taps)
         u = rng.random(len(tree)) if sampling.temperature else None
         path, token = accept_tree(tree, parents, one_hot(tree[1:], cfg.vocab_size), logits, sampling, u)
         committed = until_stop([tree[j] for j in path[1:]] + [token], cfg.eos_token_id)
@@ -2514,13 +2562,15 @@ def reference_generate(params, cfg, prompt, args, on_tokens):
     table = read_ngram_table(args.ngram_table, cfg.vocab_size) if args.ngram_table else None
     if args.tree:
         budget = parse_tree_budget(args.tree)
-        if args.draft not in TREE_DRAFTERS or table:
-            raise UserError("--tree drafts with the context n-gram lookup or the MTP head's top-k: give it with "
-                            "--draft ngram (no table) or --draft mtp")
+        name, _, dflash_dir = args.draft.partition(":")
+        if (args.draft not in TREE_DRAFTERS and not (name == "dflash" and dflash_dir)) or table:
+            raise UserError("--tree drafts with the context n-gram lookup, the MTP head's top-k or DDTree over a "
+                            "DFlash block: give it with --draft ngram (no table), --draft mtp or --draft dflash:DIR")
+        drafter = (dflash_tree_drafter(args.draft, params, cfg, *reversed(load_dflash(dflash_dir, cfg)))
+                   if name == "dflash" else TREE_DRAFTERS[args.draft](params, cfg))
         return generate_tree_speculative(params, cfg, prompt, args.max_new_tokens,
                                          Sampling(args.temperature, args.top_k, args.top_p),
-                                         np.random.default_rng(args.seed), TREE_DRAFTERS[args.draft](params, cfg),
-                                         budget, args.rollback, on_tokens)
+                                         np.random.default_rng(args.seed), drafter, budget, args.rollback, on_tokens)
     drafter = make_drafter(args.draft, params, cfg, table)
     sampling, rng = Sampling(args.temperature, args.top_k, args.top_p), np.random.default_rng(args.seed)
     if drafter is None:
