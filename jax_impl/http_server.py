@@ -313,7 +313,7 @@ def serve(args):
     matvec.set_mode(args.matvec)
     cfg, params = load(args.model, args.dtype)
     tokenizer = reference.load_tokenizer(args.model)
-    features = batch.Features(True, True, True, params.get("mtp") is not None) if args.all_features else None
+    features = batch.Features(True, True, True, params.get("mtp") is not None, True) if args.all_features else None
     server = server_class(params, cfg, args.slots, args.context, args.rollback,
                           args.steps_per_sync, cache_bytes=args.cache_bytes, max_draft_len=args.max_draft_len,
                           features=features, step_width=args.step_width)

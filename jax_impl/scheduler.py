@@ -310,7 +310,8 @@ def features_of(requests):
     """The batch.Features that rows running `requests` need."""
     sampled = [r.sampling for r in requests if r.sampling.temperature > 0]
     return batch.Features(sample=bool(sampled), top_k=any(s.top_k > 0 for s in sampled),
-                          top_p=any(s.top_p < 1 for s in sampled), mtp=any(r.draft == "mtp" for r in requests))
+                          top_p=any(s.top_p < 1 for s in sampled), mtp=any(r.draft == "mtp" for r in requests),
+                          logprobs=any(r.logprobs for r in requests))
 
 
 def fetch_row(stats, index):

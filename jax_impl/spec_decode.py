@@ -518,6 +518,8 @@ class Features(NamedTuple):
     top_k: bool = False       # ... with top-k
     top_p: bool = False       # ... with top-p
     mtp: bool = False         # some row drafts with the MTP head
+    logprobs: bool = False    # some row reports its tokens' log-probabilities (a log-softmax over the vocabulary a
+                              # position: at B = 1 part of what the server's step did beyond the single loop's)
 
 
 class Row(NamedTuple):
@@ -696,7 +698,7 @@ def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, fea
         stopped = jnp.where(decoding, stopped, jnp.isin(first, st.stop))
 
     logprob = row.logprob
-    if logprob is not None:  # row i's log-probabilities for the token after it
+    if logprob is not None and features.logprobs:  # row i's log-probabilities for the token after it
         logprobs = jax.nn.log_softmax(logits.astype(f32), axis=-1)
         logprob = jnp.where(decoding, lax.dynamic_update_slice_in_dim(
             logprob, jnp.take_along_axis(logprobs, new[:, None], axis=1)[:, 0], row.ntok, 0), logprob)

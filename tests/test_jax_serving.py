@@ -197,6 +197,7 @@ def test_unpinned_server_compiles_per_bucket():
     (dict(prompt=[1], max_new_tokens=4, sampling=reference.Sampling(-1.0)), "temperature"),
     (dict(prompt=[1] * 40, max_new_tokens=20), "exceed the server's context of 48"),
     (dict(prompt=[1], max_new_tokens=4, stop=list(range(9))), "at most 8 token ids"),
+    (dict(prompt=[1], max_new_tokens=4, logprobs=True), "needs logprobs"),   # PINNED compiles no log-softmax
 ])
 def test_bad_requests_are_refused_at_submit(kwargs, message):
     cfg, params = model()
