@@ -39,7 +39,6 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from . import matvec, reference
-from .spec_decode import ENGINE_DRAFTERS
 from .weights import DTYPES, load
 
 UserError = reference.UserError
@@ -134,6 +133,7 @@ def completion_request(body, cfg, tokenizer, context):
     try:
         settings = {name: DEFAULTS.get(name, reference.REQUEST_SETTINGS[name].default) if body.get(field) is None
                     else reference.json_setting(name, body[field], field) for field, name in SETTINGS.items()}
+        from .spec_decode import ENGINE_DRAFTERS  # not at the top: --inject-bug replaces spec_decode before its import
         reference.check_settings(settings, field_of, ENGINE_DRAFTERS)
     except UserError as e:
         raise BadRequest(str(e)) from None

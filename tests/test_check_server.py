@@ -141,6 +141,17 @@ def test_a_host_side_bug_fails_its_scenario(cache_dir, tmp_path, bug):
         "request", "position", "prefix_tail", "spec_top", "server_token"} <= set(first)
 
 
+def test_the_http_server_imports_no_module_a_bug_mutates():
+    """--inject-bug replaces a module (injected_bugs.install) only if nothing imported it first: importing the HTTP
+    server must leave every catalogued bug's module unimported (one top-level import of spec_decode there once made
+    every step-program bug fail to install, outside CI)."""
+    mutated = sorted({f"jax_impl.{bug.module}" for bug in BUGS.values()})
+    probe = f"import sys, jax_impl.http_server; print([m for m in {mutated} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dialect", "nope"], "--dialect nope: expected one of"), (["--scenarios", "("], "not a regular expression"),
     (["--scenarios", "^nothing$"], "no scenario matches"), (["--concurrency", "0"], "--concurrency 0"),
