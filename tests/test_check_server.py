@@ -38,10 +38,10 @@ DRAFT_SCENARIOS = ("^(speculative-acceptance-mix|shared-prefix-cache|stop-ids|st
 class Served:
     """python -m jax_impl.http_server as a process; .url once its ready line came."""
 
-    def __init__(self, cache_dir, bug=None):
+    def __init__(self, cache_dir, bug=None, model=MODEL, flags=PINNED):
         env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONPATH=str(ROOT))
-        argv = [sys.executable, "-m", "jax_impl.http_server", "--model", str(MODEL), "--port", "0", *PINNED]
+        argv = [sys.executable, "-m", "jax_impl.http_server", "--model", str(model), "--port", "0", *flags]
         self.process = subprocess.Popen(argv + (["--inject-bug", bug] if bug else []), cwd=ROOT, env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         ready = []
@@ -76,8 +76,8 @@ def server(cache_dir):
         served.stop()
 
 
-def check(url, tmp_path, **kwargs):
-    summary, code = cs.check_server(url, MODEL, report=tmp_path / "report.json", log=lambda line: None, timeout=300,
+def check(url, tmp_path, model=MODEL, **kwargs):
+    summary, code = cs.check_server(url, model, report=tmp_path / "report.json", log=lambda line: None, timeout=300,
                                     **kwargs)
     assert json.loads((tmp_path / "report.json").read_text()) == summary
     return summary, code
@@ -98,6 +98,26 @@ def test_every_scenario_passes_with_its_own_drafters(server, tmp_path):
 def test_drafting_scenarios_pass_with_each_drafter(server, tmp_path, draft):
     summary, code = check(server.url, tmp_path, draft=draft, scenarios_regex=DRAFT_SCENARIOS)
     assert (code, failing(summary)) == (0, {})
+
+
+def test_generations_run_to_1000_tokens(cache_dir, tmp_path):
+    """long-generations at its full 1,000 tokens, which tiny-mtp's context (512) cuts to 496: on tiny-dense (context
+    2,048, no MTP head), each of its prompts drafted with none and with n-gram, and with ignore_eos, since this random
+    checkpoint's greedy runs reach EOS after 39-682 tokens. A state drifting or a position off late shows here."""
+    model = ROOT / "weights" / "tiny-dense"
+    data = json.loads(cs.SCENARIOS.read_text())
+    long = next(s for s in data["scenarios"] if s["name"] == "long-generations")
+    assert all(r["max_tokens"] == 1000 for r in long["requests"])
+    long["requests"] = [dict(r, draft=draft, ignore_eos=True) for r in long["requests"] for draft in ("none", "ngram")]
+    scenarios = tmp_path / "long.json"
+    scenarios.write_text(json.dumps(dict(data, scenarios=[long])))
+    served = Served(cache_dir, model=model, flags=["--slots", "8", "--max-draft-len", "4", "--all-features"])
+    try:
+        summary, code = check(served.url, tmp_path, model=model, scenarios_path=scenarios)
+    finally:
+        served.stop()
+    assert (code, failing(summary)) == (0, {})
+    assert summary["scenarios"][0]["tokens"] == 6 * 1000
 
 
 def post(url, body):
