@@ -51,18 +51,22 @@ def prefill_width(tokens):
 
 
 def compiled_drafters(features):
-    """The drafters a step with these Features computes for its rows: prompt lookup always, the MTP head if asked."""
-    return ("ngram",) + (("mtp",) if features.mtp else ())
+    """The drafters a step with these Features computes for its rows: prompt lookup always, the MTP head and the
+    server's DFlash drafter if asked."""
+    return ("ngram",) + (("mtp",) if features.mtp else ()) + (("dflash",) if features.dflash else ())
 
 
-SERVED_DRAFTERS = ("none", *compiled_drafters(Features(mtp=True)))   # a request's drafter in a server (no arguments)
+# a request's drafter in a server, named without arguments ("dflash": the DFlash drafter the server loaded, if any)
+SERVED_DRAFTERS = ("none", *compiled_drafters(Features(mtp=True)))
+LOADED_DRAFTERS = ("dflash",)
 
 
 class Slots(NamedTuple):
     """B requests' spec_decode.Rows stacked, slot axis first, and their Settings (of (B,) arrays; Settings.drafter
     an index into DRAFTER_NAMES)."""
     state: State              # the target's, slot axis first
-    drafts: dict              # {drafter name: its state}: the MTP head's (State, last output hidden (B, D)) if any
+    drafts: dict              # {drafter name: its state}: the MTP head's (State, last output hidden (B, D)), the
+                              # DFlash drafter's context cache (reference.DFlashState), if compiled in
     buf: jax.Array            # (B, L) i32: prompt, then generated tokens
     ntok: jax.Array           # (B,) tokens in buf; the state has consumed all but the last once decoding
     prefill_to: jax.Array     # (B,) a prefilling row consumes its prompt up to here (then PAUSED if short of it)
@@ -76,12 +80,13 @@ class Slots(NamedTuple):
 # ----------------------------------------------------------------------------------------------------------------
 # One slot's part of a serving step: spec_decode.request_step on its row
 
-def slot_step(params, cfg, s, *, T, K, rollback, features, prefills):
-    """One slot's part of a step (vmapped over the slots by `step`): s is one row of Slots."""
+def slot_step(params, cfg, s, arrays, *, T, K, rollback, features, prefills):
+    """One slot's part of a step (vmapped over the slots by `step`): s is one row of Slots; arrays: {drafter name:
+    its constant arrays} (the DFlash drafter's weights), shared by the slots."""
     drafters = compiled_drafters(features)
     row = Row(s.state, {name: s.drafts[name] for name in drafters if name in s.drafts}, s.buf, s.ntok, s.prefill_to,
               s.phase, s.key, s.stats, s.logprob)
-    row = request_step(params, cfg, row, s.settings, T=T, K=K, rollback=rollback, features=features,
+    row = request_step(params, cfg, row, s.settings, arrays, T=T, K=K, rollback=rollback, features=features,
                        drafters=drafters, prefills=prefills)
     return s._replace(**row._replace(drafts={**s.drafts, **row.drafts})._asdict())
 
@@ -89,10 +94,11 @@ def slot_step(params, cfg, s, *, T, K, rollback, features, prefills):
 # ----------------------------------------------------------------------------------------------------------------
 # Steps and the on-device loop over them
 
-def step(params, cfg, slots, *, T, K, rollback, features, prefills=True, mesh=None):
+def step(params, cfg, slots, arrays=None, *, T, K, rollback, features, prefills=True, mesh=None):
     """Every slot's row one step on: vmapped slot_step (the weights are read once for all rows' tokens). prefills:
     whether a row may prefill (a step without compiles no prefill)."""
-    row = partial(slot_step, params, cfg, T=T, K=K, rollback=rollback, features=features, prefills=prefills)
+    row = partial(slot_step, params, cfg, arrays=arrays, T=T, K=K, rollback=rollback, features=features,
+                  prefills=prefills)
     slots = jax.vmap(row)(slots)
     return slots if mesh is None else lax.with_sharding_constraint(slots, slot_shardings(mesh, slots))
 
@@ -104,8 +110,8 @@ def slot_shardings(mesh, slots):
     return rest._replace(state=state_shardings(mesh, slots.state, batched=True))
 
 
-def run_steps(params, cfg, slots, max_steps, stop_when_done, *, T, K, rollback, features, prefill, prefills=True,
-              mesh=None):
+def run_steps(params, cfg, slots, max_steps, stop_when_done, arrays=None, *, T, K, rollback, features, prefill,
+              prefills=True, mesh=None):
     """Steps on device until max_steps, until no row has work, until a row pauses or (stop_when_done) finishes, or,
     in a prefill-width loop (prefill), until no row prefills -> (slots, steps run). prefills: whether a row may
     prefill in these steps (no row can start to: admission is the host's)."""
@@ -125,9 +131,10 @@ def run_steps(params, cfg, slots, max_steps, stop_when_done, *, T, K, rollback, 
     def body(carry):
         i, slots, _ = carry
         if one:
-            new = slot_step(params, cfg, slots, T=T, K=K, rollback=rollback, features=features, prefills=prefills)
+            new = slot_step(params, cfg, slots, arrays, T=T, K=K, rollback=rollback, features=features,
+                            prefills=prefills)
         else:
-            new = step(params, cfg, slots, T=T, K=K, rollback=rollback, features=features, prefills=prefills,
+            new = step(params, cfg, slots, arrays, T=T, K=K, rollback=rollback, features=features, prefills=prefills,
                        mesh=mesh)
         done_now = (new.phase == DONE) & (slots.phase != DONE)
         return i + 1, new, (new.phase == PAUSED).any() | (stop_when_done & done_now.any())
@@ -139,11 +146,13 @@ def run_steps(params, cfg, slots, max_steps, stop_when_done, *, T, K, rollback, 
 # ----------------------------------------------------------------------------------------------------------------
 # Slots: allocation, one slot in and out
 
-def empty_slots(cfg, slots, capacity, dtype=f32, mtp=False):
-    """B empty slots whose KV buffers and token buffers hold `capacity` positions (FREE, zero state)."""
+def empty_slots(cfg, slots, capacity, dtype=f32, mtp=False, arrays=None):
+    """B empty slots whose KV buffers and token buffers hold `capacity` positions (FREE, zero state); the MTP head's
+    state if `mtp`, the DFlash drafter's if arrays (its constant arrays by name) has one."""
     def one(_):
         state = empty_state(cfg, capacity, dtype)
-        drafts = empty_drafts(None, cfg, compiled_drafters(Features(mtp=mtp)), capacity, dtype)
+        features = Features(mtp=mtp, dflash="dflash" in (arrays or {}))
+        drafts = empty_drafts(None, cfg, compiled_drafters(features), capacity, dtype, arrays)
         zero = jnp.int32(0)
         settings = Settings(f32(0), zero, f32(1), zero, zero, zero, zero, jnp.full(MAX_STOP_IDS, -1, i32))
         stats = Stats(zero, zero, zero, jnp.zeros(MAX_DRAFT_LEN, i32), jnp.zeros(MAX_DRAFT_LEN, i32))

@@ -3,6 +3,7 @@ continuous batching, the prefix cache, a drafter per request).
 
     python -m jax_impl.http_server --model DIR --port P [--host 127.0.0.1] [--slots 16] [--context N]
         [--dtype float32] [--rollback replay] [--steps-per-sync 16] [--cache-bytes N] [--matvec auto]
+        [--dflash DIR]
 
 It prints one line when it accepts requests: `jax_impl.http_server: serving MODEL on http://HOST:PORT` (--port 0
 picks a free port; the line names it). Endpoints:
@@ -13,8 +14,9 @@ picks a free port; the line names it). Endpoints:
 
 /v1/completions takes the OpenAI fields prompt (text, or a list of token ids), max_tokens (default 16), temperature
 (default 1.0; 0 is greedy), top_p, seed, stream, and these extensions: top_k, stop_token_ids (ids that end the
-completion besides the checkpoint's EOS ids; ignore_eos: true drops the EOS ids), draft (none, ngram, mtp), draft_len,
-cache_prompt (default true: the prompt leaves a prefix-cache entry that later prompts beginning with it restore).
+completion besides the checkpoint's EOS ids; ignore_eos: true drops the EOS ids), draft (none, ngram, mtp; dflash
+with --dflash DIR), draft_len, cache_prompt (default true: the prompt leaves a prefix-cache entry that later prompts
+beginning with it restore).
 logprobs: 0 returns each generated token's log-probability under the model's raw logits (before temperature, top-k
 and top-p, as vLLM's default) in the choice's OpenAI `logprobs` ({"tokens", "token_logprobs", "top_logprobs": null,
 "text_offset"}); no alternatives, so logprobs > 0 is refused. Unsupported OpenAI fields (n > 1, best_of, echo,
@@ -74,8 +76,10 @@ def parse_args(argv):
                     "with --step-width and --all-features, one step program compiled for the server's life")
     ap.add_argument("--step-width", type=int, help="pin every step's T (prompts prefilled in chunks of it); needs "
                     "--max-draft-len")
-    ap.add_argument("--all-features", action="store_true", help="compile sampling (top-k, top-p) and the MTP "
-                    "head into every step")
+    ap.add_argument("--all-features", action="store_true", help="compile sampling (top-k, top-p), log-probabilities, "
+                    "the MTP head and the DFlash drafter into every step")
+    ap.add_argument("--dflash", metavar="DIR", help="a DFlash drafter's checkpoint for the target: requests with "
+                    "draft \"dflash\" draft with it (argmax drafts, as --draft dflash:DIR)")
     ap.add_argument("--inject-bug", metavar="NAME", default=os.environ.get("JAX_IMPL_HTTP_BUG"),
                     help="serve with a deliberate scheduler bug (jax_impl/injected_bugs.py; the kit's tests show "
                          "check-server catches each); default $JAX_IMPL_HTTP_BUG")
@@ -313,10 +317,11 @@ def serve(args):
     matvec.set_mode(args.matvec)
     cfg, params = load(args.model, args.dtype)
     tokenizer = reference.load_tokenizer(args.model)
-    features = batch.Features(True, True, True, params.get("mtp") is not None, True) if args.all_features else None
+    features = batch.Features(True, True, True, params.get("mtp") is not None, True,
+                              args.dflash is not None) if args.all_features else None
     server = server_class(params, cfg, args.slots, args.context, args.rollback,
                           args.steps_per_sync, cache_bytes=args.cache_bytes, max_draft_len=args.max_draft_len,
-                          features=features, step_width=args.step_width)
+                          features=features, step_width=args.step_width, dflash=args.dflash)
     engine = Engine(server)
     app = make_app(engine, cfg, tokenizer, Path(args.model).name)
 

@@ -46,8 +46,8 @@ CATALOGUE = (
         "drafts=source.drafts, buf=prompt, ntok=settings.prompt_len,", "shared-prefix-cache"),
     Bug("cache-key-unchecked", "the prefix cache matches any cached prompt no longer than the new one (the tokens "
         "not compared: a hash or key collision)", "vllm#43559", "scheduler",
-        "if (len(key) <= len(r.prompt) and r.prompt[:len(key)] == key and (entry.mtp or r.draft != \"mtp\")",
-        "if (len(key) <= len(r.prompt) and (entry.mtp or r.draft != \"mtp\")", "shared-prefix-cache"),
+        "if (len(key) <= len(r.prompt) and r.prompt[:len(key)] == key and entry.holds(r.draft)",
+        "if (len(key) <= len(r.prompt) and entry.holds(r.draft)", "shared-prefix-cache"),
     Bug("chunk-offset-off-by-one", "every prompt chunk after the first starts one token late",
         "sglang#39342", "spec_decode",
         "tokens = select(prefilling, lax.dynamic_slice_in_dim(row.buf, c, T), verify_tokens)",

@@ -2,13 +2,14 @@
 
     python -m jax_impl.jsonl --requests REQUESTS.jsonl --out RESULTS.jsonl [--model DIR] [--slots 16]
         [--context N] [--rollback replay] [--dtype float32] [--devices N] [--matvec auto] [--steps-per-sync 16]
+        [--dflash DIR]
 
 Each line of the requests file is a JSON object: "prompt" (text) or "prompt_ids" (a list of ids), and any of "id"
 (echoed back; default the line number, from 1), "max_new_tokens", "temperature", "top_k", "top_p", "seed", "draft"
-(none, ngram, mtp), "draft_len", "stop" (a list of ids; default the checkpoint's EOS ids), "cache_prompt" (true: later
-prompts that begin with this one restore its state instead of prefilling it). Defaults and ranges are the command
-line's (python -m jax_impl --help). Each result is one line, written as its request finishes: {"id", "prompt_ids",
-"tokens", "text", "stats"}, its tokens those of `python -m jax_impl --json` run alone with the same settings.
+(none, ngram, mtp; dflash with --dflash DIR), "draft_len", "stop" (a list of ids; default the checkpoint's EOS ids),
+"cache_prompt" (true: later prompts that begin with this one restore its state instead of prefilling it). Defaults
+and ranges are the command line's (python -m jax_impl --help). Each result is one line, written as its request
+finishes: {"id", "prompt_ids", "tokens", "text", "stats"}, its tokens those of `python -m jax_impl --json` run alone with the same settings.
 --context (default: what the longest request needs) is the most tokens a request holds; every slot's buffers are
 allocated for it at the start. A summary goes to stderr. Bad input: one line naming it, exit status 2.
 (python -m jax_impl.serve, its former name, runs it too.)
@@ -42,6 +43,8 @@ def parse_args(argv):
     ap.add_argument("--devices", type=int, default=1, help="tensor-parallel devices (1: no mesh)")
     ap.add_argument("--matvec", choices=matvec.MODES, default=matvec.mode)
     ap.add_argument("--steps-per-sync", type=int, default=16, help="device steps between reads of the results")
+    ap.add_argument("--dflash", metavar="DIR", help="a DFlash drafter's checkpoint for the target: requests with "
+                    "draft \"dflash\" draft with it (argmax drafts, as --draft dflash:DIR)")
     args = ap.parse_args(argv)
     for flag, value, low, high in (("--slots", args.slots, 1, 4096), ("--steps-per-sync", args.steps_per_sync, 1, 2**20)):
         if not low <= value <= high:
@@ -87,7 +90,7 @@ def token_ids(value, name):
     return value
 
 
-def read_requests(path, cfg, params, tokenizer):
+def read_requests(path, cfg, params, tokenizer, loaded=()):
     """[(id, Request, token limit)], each checked; an error names the line."""
     try:
         with open(path, "rb") as f:
@@ -107,7 +110,7 @@ def read_requests(path, cfg, params, tokenizer):
             except (ValueError, RecursionError) as e:
                 raise UserError(f"not JSON ({e})") from None
             r = request_of(fields, tokenizer)
-            requests.append((fields.get("id", number), r, check_request(cfg, params, r)))
+            requests.append((fields.get("id", number), r, check_request(cfg, params, r, loaded=loaded)))
         except UserError as e:
             raise UserError(f"{path} line {number}: {e}") from None
     if not requests:
@@ -120,7 +123,7 @@ def run(args):
     mesh = make_mesh(args.devices) if args.devices != 1 else None
     cfg, params = load(args.model, args.dtype, mesh)
     tokenizer = reference.load_tokenizer(args.model)
-    requests = read_requests(args.requests, cfg, params, tokenizer)
+    requests = read_requests(args.requests, cfg, params, tokenizer, () if args.dflash is None else ("dflash",))
     needed = max(len(r.prompt) + limit for _, r, limit in requests)
     context = needed if args.context is None else args.context
     if not needed <= context <= cfg.max_position_embeddings:
@@ -131,7 +134,8 @@ def run(args):
     except OSError as e:
         raise UserError(f"--out {args.out}: {e.strerror}") from None
     start = time.perf_counter()
-    server = Server(params, cfg, args.slots, context, args.rollback, args.steps_per_sync, mesh=mesh)
+    server = Server(params, cfg, args.slots, context, args.rollback, args.steps_per_sync, mesh=mesh,
+                    dflash=args.dflash)
     ids = {server.submit(**r._asdict()): (request_id, r) for request_id, r, _ in requests}
     generated = 0
     with out:

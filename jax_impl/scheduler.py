@@ -31,15 +31,15 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import batch, reference
-from .batch import DECODE, DONE, MAX_STOP_IDS, PAUSED, PREFILL, SERVED_DRAFTERS
+from . import batch, reference, spec_decode
+from .batch import DECODE, DONE, LOADED_DRAFTERS, MAX_STOP_IDS, PAUSED, PREFILL, SERVED_DRAFTERS
 from .sharding import fetch
 from .spec_decode import DRAFTER_NAMES, check_settings, compiled, round_draft_len, round_up
 
 MAX_DRAFT_LEN, Sampling, UserError = reference.MAX_DRAFT_LEN, reference.Sampling, reference.UserError
 
 # Slot bookkeeping, compiled once per server shape (the steps are compiled per shape and counted: Server.step counts the steps)
-new_slots = jax.jit(batch.empty_slots, static_argnums=(0, 1, 2, 3, 4))
+new_slots = jax.jit(batch.empty_slots, static_argnums=(0, 1, 2, 3, 4))   # arrays (drafters' weights) traced
 admit_slot = jax.jit(batch.admit, donate_argnums=0)
 read_slot = jax.jit(batch.read_slot)
 resume_slot = jax.jit(batch.resume, donate_argnums=0)
@@ -70,8 +70,12 @@ class Entry(NamedTuple):
     token."""
     prompt: tuple
     row: batch.Slots
-    mtp: bool                     # the row's MTP head state was built (written by an MTP request)
+    drafter: str                  # the drafter of the request that wrote it: the one whose state the row holds built
     nbytes: int
+
+    def holds(self, draft):
+        """Whether a request drafting with `draft` may start from it: its drafter keeps no state, or this one's."""
+        return draft == self.drafter or draft not in self.row.drafts
 
 
 class Running(NamedTuple):
@@ -91,10 +95,15 @@ def request_settings(r):
             **r.sampling._asdict()}
 
 
-def check_request(cfg, params, r, label=str):
+def check_request(cfg, params, r, label=str, loaded=()):
     """The settings (spec_decode.check_settings: the command lines' check), the stop ids, the prompt -> its token
-    limit. label(name): how the caller names a setting (the HTTP front end's max_tokens)."""
-    check_settings(params, cfg, request_settings(r), label, ("jax_impl", SERVED_DRAFTERS))
+    limit. label(name): how the caller names a setting (the HTTP front end's max_tokens); loaded: the drafters the
+    server loaded at its start (batch.LOADED_DRAFTERS: its DFlash drafter's "dflash")."""
+    name = r.draft.partition(":")[0]
+    if name in LOADED_DRAFTERS and (r.draft != name or name not in loaded):
+        raise UserError(f"{label('draft')} {r.draft}: a server drafts with the DFlash drafter it was started with "
+                        f"(--dflash DIR), named {name}" + ("" if name in loaded else "; this one has none"))
+    check_settings(params, cfg, request_settings(r), label, ("jax_impl", SERVED_DRAFTERS + tuple(loaded)), loaded)
     stop = cfg.eos_token_id if r.stop is None else r.stop
     if len(stop) > MAX_STOP_IDS or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in stop):
         raise UserError(f"{label('stop')} {list(stop)!r:.100}: at most {MAX_STOP_IDS} token ids in "
@@ -110,10 +119,12 @@ class Server:
     features and drafters they use, T = K+1 for decoding and a prefill width (batch.PREFILL_WIDTHS) while a row
     prefills. max_draft_len (every step's K), features (a batch.Features every step compiles in) and step_width
     (every step's T, prompts prefilled in chunks of it; needs max_draft_len) pin them instead: one compilation per
-    server shape, each step as wide as the widest request could need; a request outside them is refused at submit."""
+    server shape, each step as wide as the widest request could need; a request outside them is refused at submit.
+    dflash: a DFlash drafter's checkpoint directory (reference.load_dflash), drafting for requests with draft
+    "dflash" (argmax drafts, a one-hot q, as --draft dflash:DIR)."""
 
     def __init__(self, params, cfg, slots=16, context=None, rollback="replay", steps_per_sync=16,
-                 cache_bytes=2**30, mesh=None, max_draft_len=None, features=None, step_width=None):
+                 cache_bytes=2**30, mesh=None, max_draft_len=None, features=None, step_width=None, dflash=None):
         reference.check_settings({"rollback": rollback})
         context = min(cfg.max_position_embeddings, 4096) if context is None else context
         if not 1 <= context <= cfg.max_position_embeddings:
@@ -133,8 +144,12 @@ class Server:
         # room past the longest request for a step's padded writes: batch.py never lets a write clamp
         self.capacity = round_up(context + max(batch.PREFILL_WIDTHS[-1], MAX_DRAFT_LEN + 1, step_width or 0) + 1, 64)
         self.has_mtp = params.get("mtp") is not None
+        # the drafters' constant arrays by name: the DFlash drafter's weights (DeviceDrafter.prepare's)
+        self.arrays = {} if dflash is None else {"dflash": spec_decode.DFLASH.prepare(params, cfg, f"dflash:{dflash}",
+                                                                                      None, None)}
+        self.loaded = tuple(self.arrays)
         check_memory(cfg, params, slots, self.capacity)
-        self.slots = new_slots(cfg, slots, self.capacity, params["embed_tokens"].dtype, self.has_mtp)
+        self.slots = new_slots(cfg, slots, self.capacity, params["embed_tokens"].dtype, self.has_mtp, self.arrays)
         if mesh is not None:  # on the weights' devices, laid out as the steps keep them
             self.slots = jax.device_put(self.slots, batch.slot_shardings(mesh, self.slots))
         self.waiting, self.live = deque(), [None] * slots
@@ -151,7 +166,7 @@ class Server:
         """Queue a request -> its id. Checked here: a bad request raises reference.UserError and is not queued."""
         r = Request(tuple(int(t) for t in prompt), max_new_tokens, sampling, seed, draft, draft_len,
                     None if stop is None else tuple(stop), cache_prompt, logprobs)
-        limit = check_request(self.cfg, self.params, r)
+        limit = check_request(self.cfg, self.params, r, loaded=self.loaded)
         if len(r.prompt) + limit > self.context:
             raise UserError(f"the prompt ({len(r.prompt)} tokens) and {limit} new tokens exceed the server's context "
                             f"of {self.context} tokens")
@@ -199,11 +214,12 @@ class Server:
                        prefills=bool(prefilling) or self.step_width is not None, mesh=self.mesh)
         if self.mesh is not None:  # slot bookkeeping (admit, resume) may have moved some leaves: back in place
             self.slots = jax.device_put(self.slots, batch.slot_shardings(self.mesh, self.slots))
+        arrays = {name: self.arrays[name] for name in batch.compiled_drafters(features) if name in self.arrays}
         run_steps, fresh = compiled(batch.run_steps, (1,), self.cfg, statics, self.params, self.slots,
-                                    np.int32(self.steps_per_sync), np.bool_(bool(self.waiting)))
+                                    np.int32(self.steps_per_sync), np.bool_(bool(self.waiting)), arrays)
         self.compilations += fresh
         self.slots, steps = run_steps(self.params, self.slots, np.int32(self.steps_per_sync),
-                                      np.bool_(bool(self.waiting)))
+                                      np.bool_(bool(self.waiting)), arrays)
         self.steps += int(fetch(steps))
         self.syncs += 1
         return self.collect()
@@ -256,10 +272,11 @@ class Server:
             self.live[index] = Running(request_id, r, limit, K, 0, time.perf_counter())
 
     def lookup(self, r):
-        """The longest cached prompt that begins r.prompt (and, for an MTP request, carries the head's state)."""
+        """The longest cached prompt that begins r.prompt (and, for a request whose drafter keeps a state, the MTP
+        head's or the DFlash drafter's, one written by a request of that drafter: only its own requests build it)."""
         best = None
         for key, entry in self.cache.items():
-            if (len(key) <= len(r.prompt) and r.prompt[:len(key)] == key and (entry.mtp or r.draft != "mtp")
+            if (len(key) <= len(r.prompt) and r.prompt[:len(key)] == key and entry.holds(r.draft)
                     and (best is None or len(key) > len(best.prompt))):
                 best = entry
         if best is not None:
@@ -300,7 +317,7 @@ class Server:
         row = read_slot(self.slots, np.int32(index))
         nbytes = sum(x.nbytes for x in jax.tree.leaves(row))
         self.cache.pop(r.prompt, None)
-        self.cache[r.prompt] = Entry(r.prompt, row, r.draft == "mtp", nbytes)
+        self.cache[r.prompt] = Entry(r.prompt, row, r.draft, nbytes)
         while sum(e.nbytes for e in self.cache.values()) > self.cache_bytes:
             self.cache.popitem(last=False)
         self.slots = resume_slot(self.slots, np.int32(index), np.int32(len(r.prompt)))
@@ -311,7 +328,8 @@ def features_of(requests):
     sampled = [r.sampling for r in requests if r.sampling.temperature > 0]
     return batch.Features(sample=bool(sampled), top_k=any(s.top_k > 0 for s in sampled),
                           top_p=any(s.top_p < 1 for s in sampled), mtp=any(r.draft == "mtp" for r in requests),
-                          logprobs=any(r.logprobs for r in requests))
+                          logprobs=any(r.logprobs for r in requests),
+                          dflash=any(r.draft == "dflash" for r in requests))
 
 
 def fetch_row(stats, index):

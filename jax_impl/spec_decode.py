@@ -460,14 +460,18 @@ def drafter_name(spec):
 
 
 def empty_drafts(params, cfg, drafters, capacity, dtype, arrays=None):
-    """{name: empty state} of the drafters (names) that keep one."""
-    states = {name: DRAFTERS[name].empty(params, cfg, arrays, capacity, dtype) for name in drafters}
+    """{name: empty state} of the drafters (names) that keep one; arrays: {name: its constant arrays}."""
+    arrays = arrays or {}
+    states = {name: DRAFTERS[name].empty(params, cfg, arrays.get(name), capacity, dtype) for name in drafters}
     return {name: state for name, state in states.items() if state is not None}
 
 
 def drafter_taps(drafters, arrays):
-    """The target layers the compiled drafters read the outputs of (one drafter with taps at most: () for none)."""
-    return next((DRAFTERS[name].taps(arrays) for name in drafters if DRAFTERS[name].taps(arrays)), ())
+    """The target layers the compiled drafters (arrays: {name: its constant arrays}) read the outputs of (one drafter
+    with taps at most: () for none)."""
+    arrays = arrays or {}
+    return next((DRAFTERS[name].taps(arrays.get(name)) for name in drafters if DRAFTERS[name].taps(arrays.get(name))),
+                ())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -520,6 +524,7 @@ class Features(NamedTuple):
     mtp: bool = False         # some row drafts with the MTP head
     logprobs: bool = False    # some row reports its tokens' log-probabilities (a log-softmax over the vocabulary a
                               # position: at B = 1 part of what the server's step did beyond the single loop's)
+    dflash: bool = False      # some row drafts with the server's DFlash block drafter
 
 
 class Row(NamedTuple):
@@ -552,11 +557,12 @@ def drafts_with(settings, name):
 
 def propose(params, cfg, row, settings, arrays, K, sampling, key, drafters):
     """The request's drafts (K,), their distributions q (K, V) and how many count: its drafter's, among the drafters
-    compiled in (each computed only if compiled in), at most its own K and the tokens left after the target's."""
+    compiled in (each computed only if compiled in; arrays: {name: its constant arrays}), at most its own K and the
+    tokens left after the target's."""
     drafts, q, m = jnp.zeros(K, i32), jnp.zeros((K, cfg.vocab_size), f32), jnp.int32(0)
     for name in drafters if K else ():
-        theirs = DRAFTERS[name].propose(params, cfg, arrays, row.drafts.get(name), row.state, row.buf, row.ntok, K,
-                                        settings.draft_len, sampling, key)
+        theirs = DRAFTERS[name].propose(params, cfg, arrays.get(name), row.drafts.get(name), row.state, row.buf,
+                                        row.ntok, K, settings.draft_len, sampling, key)
         use = drafts_with(settings, name)
         drafts, q, m = (select(use, new, old) for new, old in zip(theirs, (drafts, q, m)))
     return drafts, q, jnp.minimum(m, settings.limit - (row.ntok - settings.prompt_len) - 1)
@@ -652,10 +658,11 @@ def counted(stats, decoding, m, accepted):
 def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, features, drafters, prefills, tree=None):
     """One step of one request -> its Row after it: a speculative round of width K (or a plain step, K = 0) when
     DECODE, a prompt chunk of up to T tokens when PREFILL (compiled in only if `prefills`: some row may prefill),
-    nothing otherwise. drafters: the names compiled in (DRAFTERS); arrays: their constant arrays (DeviceDrafter.prepare).
+    nothing otherwise. drafters: the names compiled in (DRAFTERS); arrays: {name: its constant arrays}
+    (DeviceDrafter.prepare) for those that have them.
     tree: a reference.TreeBudget (static; K = its nodes): the round verifies a draft tree of its drafter's
     (TREE_DRAFTERS) and commits the accepted path."""
-    st, c = settings, row.state.length
+    st, c, arrays = settings, row.state.length, arrays or {}
     prefilling, decoding = (row.phase == PREFILL) if prefills else False, row.phase == DECODE
     sampling = row_sampling(st, features)
     plain = drafts_with(st, "none")
@@ -706,8 +713,8 @@ def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, fea
             logprob = jnp.where(prompt_done, logprob.at[row.ntok].set(logprobs[0, first]), logprob)
 
     after_tokens = lax.dynamic_slice_in_dim(buf, c + 1, T)     # the token after each position of the pass
-    drafts_state = {name: DRAFTERS[name].update(params, cfg, arrays, draft_state, after_tokens,
-                                                tapped if DRAFTERS[name].taps(arrays) else hidden,
+    drafts_state = {name: DRAFTERS[name].update(params, cfg, arrays.get(name), draft_state, after_tokens,
+                                                tapped if DRAFTERS[name].taps(arrays.get(name)) else hidden,
                                                 jnp.where(drafts_with(st, name), n, 0))
                     for name, draft_state in row.drafts.items()}
 
@@ -754,11 +761,13 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
                         top_p=sampling.temperature > 0 and sampling.top_p < 1)
     name = drafter_name(draft)
     drafters = () if name == "none" else (name,)
+    arrays = {name: arrays} if drafters and arrays is not None else {}   # the one drafter's, by name
     buf = buf.at[prompt_len].set(pre.first)
     prompt_pairs = buf[1:len(pre.hidden) + 1]       # the token after each prompt position
     empty = empty_drafts(params, cfg, drafters, len(buf), params["embed_tokens"].dtype, arrays)
-    drafts = {name: DRAFTERS[name].update(params, cfg, arrays, draft_state, prompt_pairs,
-                                          pre.tapped if DRAFTERS[name].taps(arrays) else pre.hidden, prompt_len)
+    drafts = {name: DRAFTERS[name].update(params, cfg, arrays.get(name), draft_state, prompt_pairs,
+                                          pre.tapped if DRAFTERS[name].taps(arrays.get(name)) else pre.hidden,
+                                          prompt_len)
               for name, draft_state in empty.items()}
     zero = jnp.int32(0)
     phase = jnp.where(jnp.isin(pre.first, stop) | (limit <= 1), DONE, DECODE)
@@ -777,7 +786,7 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
 def generate_device(params, cfg, prompt, prompt_len, limit, key, arrays=None, *, sampling, draft, K, rollback,
                     capacity, mesh=None, tree=None):
     """prefill_device then decode_device in one traceable function (vmap it over keys to sample many runs)."""
-    taps = () if draft == "none" else drafter_taps((drafter_name(draft),), arrays)
+    taps = () if draft == "none" else drafter_taps((drafter_name(draft),), {drafter_name(draft): arrays})
     pre = prefill_device(params, cfg, prompt, prompt_len, key, sampling=sampling, capacity=capacity, mesh=mesh,
                          taps=taps)
     buf = jnp.zeros(capacity, jnp.int32).at[:len(prompt)].set(prompt)
@@ -867,7 +876,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
             return out
 
         start = time.perf_counter()
-        taps = () if draft == "none" else drafter_taps((drafter_name(draft),), arrays)
+        taps = () if draft == "none" else drafter_taps((drafter_name(draft),), {drafter_name(draft): arrays})
         run_prefill, fresh = compiled(prefill_seeded, (), cfg, dict(sampling=sampling, capacity=capacity, mesh=mesh,
                                                                     taps=taps), params, padded, prompt_len, seed)
         shapes = (jax.ShapeDtypeStruct((capacity,), jnp.int32), prompt_len, prompt_len,
@@ -888,13 +897,14 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
 ENGINE_DRAFTERS = ("jax_impl", DRAFTER_NAMES)  # what reference.check_settings lets through to this engine
 
 
-def check_settings(params, cfg, settings, label=str, engine_drafters=ENGINE_DRAFTERS):
+def check_settings(params, cfg, settings, label=str, engine_drafters=ENGINE_DRAFTERS, loaded=()):
     """reference.check_settings for this engine (its drafters: a --draft spec by its drafter's name; the server's
-    are fewer), and the MTP drafter's needs (weights, one layer)."""
+    are fewer), and the MTP drafter's needs (weights, one layer). loaded: drafters a server loaded at its start,
+    which its requests name without arguments (its DFlash drafter: "dflash")."""
     draft = settings.get("draft", "none")
     reference.check_settings({**settings, "draft": drafter_name(draft) or draft} if "draft" in settings else settings,
                              label, engine_drafters)
-    if isinstance(draft, str) and draft in TAKE_ARGUMENTS:    # a form that takes arguments, given none
+    if isinstance(draft, str) and draft in TAKE_ARGUMENTS and draft not in loaded:  # a form that takes arguments
         raise reference.UserError(f"{label('draft')} {draft}: expected {draft}:{'DIR' if 'dflash' in draft else 'ARGS'}")
     if settings.get("draft") == "mtp":
         reference.mtp_drafter(params, cfg)  # the reference's checks: MTP weights present, one MTP layer

@@ -179,6 +179,44 @@ def test_prefix_cache_and_stop_ids():
     assert stopped == free[:free.index(stop) + 1]
 
 
+def test_dflash_requests_get_their_own_runs():
+    """A server with a DFlash drafter (Server(dflash=DIR), --dflash; the default model's trained one, so that drafts
+    are accepted): greedy and sampled "dflash" requests beside a plain one, prompts prefilled in chunks of the step
+    width (the drafter's context grows by each chunk's tapped features), get their own jax_impl.generate runs' tokens
+    and acceptance counts with --draft dflash:DIR. A later dflash request restores the prefix-cache entry a dflash
+    request left (its drafter's context included), and not one a plain request left (no DFlash context in it).
+    Prompts of 17-32 tokens: one padded length, so that the single runs compile once per setting."""
+    cfg, params = jax_impl.load(ROOT / "weights" / "default")
+    drafter = ROOT / "weights" / "default-dflash"
+    encode = reference.load_tokenizer(ROOT / "weights" / "default").encode
+    server = Server(params, cfg, 3, context=64, max_draft_len=4, features=batch.Features(sample=True, dflash=True),
+                    step_width=8, dflash=str(drafter))
+    fib, loop, stack = (encode(text).ids for text in ("def fibonacci(n):\n    if n < 2:\n        return n\n",
+                                                      "for i in range(10):\n    print(i, i * i)\n    total += i\n",
+                                                      "class Stack:\n    def __init__(self):\n        self.items = [] #"))
+    greedy, sampled = reference.Sampling(), reference.Sampling(0.8)
+    runs = [[(fib, greedy, "dflash", True), (loop, sampled, "dflash", False), (stack, greedy, "none", True),
+             (fib + fib[:2], greedy, "dflash", False)],      # 3 slots: it starts once the first has finished
+            [(stack + stack[:2], greedy, "dflash", False)]]  # the cached stack prompt was a plain request's
+    accepted = 0
+    for wave, hits in zip(runs, (1, 1)):
+        ids = [server.submit(prompt, 12, sampling=sampling, seed=3, draft=draft, cache_prompt=cache)
+               for prompt, sampling, draft, cache in wave]
+        list(server.run())
+        assert server.cache_hits == hits
+        for request_id, (prompt, sampling, draft, _) in zip(ids, wave):
+            tokens, stats = server.result(request_id)
+            want, want_stats = jax_impl.generate(params, cfg, prompt, 12, sampling, 3,
+                                                 f"dflash:{drafter}" if draft == "dflash" else draft, 4)
+            assert tokens == want and {k: stats[k] for k in SPEC_KEYS if k in want_stats} == {
+                k: want_stats[k] for k in SPEC_KEYS if k in want_stats}, (prompt, draft)
+            accepted += stats.get("accepted", 0)
+    assert accepted > 0                                              # drafts were verified and some kept
+    with pytest.raises(reference.UserError, match="needs dflash"):   # a server pinned without it
+        Server(params, cfg, 1, context=64, max_draft_len=4, features=batch.Features(), step_width=8,
+               dflash=str(drafter)).submit(fib, 4, draft="dflash")
+
+
 def test_unpinned_server_compiles_per_bucket():
     """Without pinned shapes a greedy n-gram run compiles two step programs: a prefill width and the decoding
     width K+1 (more only for other draft-length buckets, sampling features or drafters)."""
@@ -198,6 +236,9 @@ def test_unpinned_server_compiles_per_bucket():
     (dict(prompt=[1] * 40, max_new_tokens=20), "exceed the server's context of 48"),
     (dict(prompt=[1], max_new_tokens=4, stop=list(range(9))), "at most 8 token ids"),
     (dict(prompt=[1], max_new_tokens=4, logprobs=True), "needs logprobs"),   # PINNED compiles no log-softmax
+    (dict(prompt=[1], max_new_tokens=4, draft="dflash"), "draft dflash: a server drafts with the DFlash drafter it "
+                                                         "was started with .* this one has none"),
+    (dict(prompt=[1], max_new_tokens=4, draft="dflash:weights/tiny-mtp-dflash"), "named dflash; this one has none"),
 ])
 def test_bad_requests_are_refused_at_submit(kwargs, message):
     cfg, params = model()
