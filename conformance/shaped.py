@@ -34,15 +34,23 @@ def checkpoint_name(like):
 ACCEPT_COUNTS = (0, 2, 4)
 
 
+# serving traces (conformance/make/traces.py), greedy: rows accepting different counts in one batch, a zero-draft
+# step right after an accept (vllm#52942), a snapshot after a partial accept restored later (vllm#43559)
+TRACE_SCENARIOS = ("mixed-accepts", "zero-draft-after-accept", "snapshot-after-partial-accept")
+
+
 def shaped_cases(name):
     """The model-level cases of the suite's generator on checkpoint `name`: prefill, decode with the state, a
-    chunk-crossing extend, greedy, speculative rounds accepting 0, 2 and 4 drafts under both rollbacks."""
-    from .make import build as G
+    chunk-crossing extend, greedy, speculative rounds accepting 0, 2 and 4 drafts under both rollbacks, and a few
+    serving traces."""
+    from .make import build as G, traces
     yield G.forward_case(name, "prefill-T70", (70,), with_state=False)
     yield G.forward_case(name, "decode", (20,) + (1,) * 8, with_state=True)
     yield G.forward_case(name, "extend", (2, 66, 1), with_state=True)
     yield G.greedy_case(name)
     yield from G.spec_greedy_cases(name, ACCEPT_COUNTS, distinct_last=False)  # a random tied model repeats tokens
+    for scenario in TRACE_SCENARIOS:
+        yield traces.trace_case(scenario, name, traces.GREEDY)
 
 
 def materialise_checkpoint(like, pinned_sha256, progress):
