@@ -3,12 +3,15 @@ call and acceptance by draft position at blocks of 4, 8 and 16 (K = 3, 7, 15 dra
 wall-clock speedup over plain decoding measured in the same run.
 
     python -m bench.dflash_speed [--prompts 8] [--new-tokens 64] [--temperature 0.8] [--out bench/_out]
+        [--engine reference|jax_impl|both]
 
 Prompts: the first --prompt-len tokens of the held-out files of weights/default's corpus (weights.evaluate's), none
 of which the drafter was trained on. fp32, batch 1, replay rollback. Greedy runs are checked equal to plain
 decoding's tokens. Sampled runs use each run's own seed for plain and speculative decoding (their tokens differ: the
 same distribution, other draws). Speedup = plain decode seconds / speculative decode seconds over all prompts,
-prefill excluded. Writes dflash_speed.json and, with matplotlib, dflash_speed.png.
+prefill excluded. Writes dflash_speed.json and, with matplotlib, dflash_speed.png. --engine jax_impl (or both) gives the
+greedy table in jax_impl (fp32, one request, jax_impl.generate's decode seconds: compilation and the prefill
+excluded), its rows marked "engine": "jax_impl".
 """
 
 import argparse
@@ -85,6 +88,37 @@ def bench(prompts, new_tokens, temperature, dflash_dir=DRAFTER):
     return rows
 
 
+def bench_jax(prompts, new_tokens, dflash_dir=DRAFTER):
+    """Greedy in jax_impl: tokens per target call and the decode speedup over jax_impl's plain decoding, each drafter
+    at each block; every run checked equal to plain decoding's tokens."""
+    import jax_impl
+    cfg, params = jax_impl.load(TARGET)
+    cfg = R.replace(cfg, eos_token_id=())            # full-length runs: never stop early
+
+    def run_all(draft, K):  # -> (token lists, target calls, new tokens, decode seconds) over the prompts
+        outputs, calls, new, seconds = [], 0, 0, 0.0
+        for i, prompt in enumerate(prompts):
+            tokens, stats = jax_impl.generate(params, cfg, prompt, new_tokens, R.Sampling(), i, draft, K)
+            outputs.append(tokens)
+            calls, new = calls + stats["target_calls"], new + len(tokens) - 1
+            seconds += stats["seconds"]["decode"]
+        return outputs, calls, new, seconds
+    plain, _, plain_new, plain_seconds = run_all("none", 0)
+    print(f"\njax_impl, greedy: plain decode {plain_new / plain_seconds:.1f} tok/s", flush=True)
+    print(f"  {'drafter':<16}{'block':>6}{'tok/call':>10}{'speedup':>9}  exact")
+    rows = []
+    for label, spec in drafters(dflash_dir, 0.0):
+        for block in BLOCKS:
+            tokens, calls, new, seconds = run_all(spec, block - 1)
+            row = {"engine": "jax_impl", "mode": "greedy", "temperature": 0.0, "drafter": label, "block": block,
+                   "K": block - 1, "tokens_per_call": new / calls, "speedup": plain_seconds / seconds,
+                   "exact": tokens == plain}
+            rows.append(row)
+            print(f"  {label:<16}{block:>6}{row['tokens_per_call']:>10.2f}{row['speedup']:>8.2f}x  {row['exact']}",
+                  flush=True)
+    return rows
+
+
 def plot(rows, path):
     plt = pyplot()
     if plt is None:
@@ -126,14 +160,19 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--drafter", type=Path, default=DRAFTER, help="the DFlash drafter (default weights/default-dflash)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "_out")
+    ap.add_argument("--engine", choices=("reference", "jax_impl", "both"), default="reference",
+                    help="where to measure (jax_impl: greedy only)")
     args = ap.parse_args()
     _, held_out, _ = corpus()
     prompts = prompts_of(held_out, R.load_tokenizer(TARGET), args.prompts, args.prompt_len)
-    rows = bench(prompts, args.new_tokens, args.temperature, args.drafter)
+    rows = [] if args.engine == "jax_impl" else bench(prompts, args.new_tokens, args.temperature, args.drafter)
+    if args.engine != "reference":
+        rows += bench_jax(prompts, args.new_tokens, args.drafter)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "drafter")}      # no machine paths
     (args.out / "dflash_speed.json").write_text(json.dumps({"args": settings, "rows": rows}, indent=1) + "\n")
-    plot(rows, args.out / "dflash_speed.png")
+    if args.engine != "jax_impl":
+        plot([r for r in rows if "engine" not in r], args.out / "dflash_speed.png")
 
 
 if __name__ == "__main__":
