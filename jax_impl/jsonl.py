@@ -9,7 +9,8 @@ Each line of the requests file is a JSON object: "prompt" (text) or "prompt_ids"
 (none, ngram, mtp; dflash with --dflash DIR), "draft_len", "stop" (a list of ids; default the checkpoint's EOS ids),
 "cache_prompt" (true: later prompts that begin with this one restore its state instead of prefilling it). Defaults
 and ranges are the command line's (python -m jax_impl --help). Each result is one line, written as its request
-finishes: {"id", "prompt_ids", "tokens", "text", "stats"}, its tokens those of `python -m jax_impl --json` run alone with the same settings.
+finishes: {"id", "prompt_ids", "tokens", "text", "stats"}, its tokens those of `python -m jax_impl --json` run alone
+with the same settings.
 --context (default: what the longest request needs) is the most tokens a request holds; every slot's buffers are
 allocated for it at the start. A summary goes to stderr. Bad input: one line naming it, exit status 2.
 (python -m jax_impl.serve, its former name, runs it too.)

@@ -147,7 +147,6 @@ class Server:
         # the drafters' constant arrays by name: the DFlash drafter's weights (DeviceDrafter.prepare's)
         self.arrays = {} if dflash is None else {"dflash": spec_decode.DFLASH.prepare(params, cfg, f"dflash:{dflash}",
                                                                                       None, None)}
-        self.loaded = tuple(self.arrays)
         check_memory(cfg, params, slots, self.capacity)
         self.slots = new_slots(cfg, slots, self.capacity, params["embed_tokens"].dtype, self.has_mtp, self.arrays)
         if mesh is not None:  # on the weights' devices, laid out as the steps keep them
@@ -166,7 +165,7 @@ class Server:
         """Queue a request -> its id. Checked here: a bad request raises reference.UserError and is not queued."""
         r = Request(tuple(int(t) for t in prompt), max_new_tokens, sampling, seed, draft, draft_len,
                     None if stop is None else tuple(stop), cache_prompt, logprobs)
-        limit = check_request(self.cfg, self.params, r, loaded=self.loaded)
+        limit = check_request(self.cfg, self.params, r, loaded=tuple(self.arrays))
         if len(r.prompt) + limit > self.context:
             raise UserError(f"the prompt ({len(r.prompt)} tokens) and {limit} new tokens exceed the server's context "
                             f"of {self.context} tokens")
@@ -214,12 +213,11 @@ class Server:
                        prefills=bool(prefilling) or self.step_width is not None, mesh=self.mesh)
         if self.mesh is not None:  # slot bookkeeping (admit, resume) may have moved some leaves: back in place
             self.slots = jax.device_put(self.slots, batch.slot_shardings(self.mesh, self.slots))
-        arrays = {name: self.arrays[name] for name in batch.compiled_drafters(features) if name in self.arrays}
         run_steps, fresh = compiled(batch.run_steps, (1,), self.cfg, statics, self.params, self.slots,
-                                    np.int32(self.steps_per_sync), np.bool_(bool(self.waiting)), arrays)
+                                    np.int32(self.steps_per_sync), np.bool_(bool(self.waiting)), self.arrays)
         self.compilations += fresh
         self.slots, steps = run_steps(self.params, self.slots, np.int32(self.steps_per_sync),
-                                      np.bool_(bool(self.waiting)), arrays)
+                                      np.bool_(bool(self.waiting)), self.arrays)
         self.steps += int(fetch(steps))
         self.syncs += 1
         return self.collect()

@@ -470,8 +470,13 @@ def drafter_taps(drafters, arrays):
     """The target layers the compiled drafters (arrays: {name: its constant arrays}) read the outputs of (one drafter
     with taps at most: () for none)."""
     arrays = arrays or {}
-    return next((DRAFTERS[name].taps(arrays.get(name)) for name in drafters if DRAFTERS[name].taps(arrays.get(name))),
-                ())
+    return next((taps for taps in (DRAFTERS[name].taps(arrays.get(name)) for name in drafters) if taps), ())
+
+
+def one_drafter_arrays(draft, arrays):
+    """The single-request loop's one drafter's constant arrays (DeviceDrafter.prepare's), by name as request_step
+    takes them: {} for none."""
+    return {} if draft == "none" or arrays is None else {drafter_name(draft): arrays}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -761,7 +766,7 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
                         top_p=sampling.temperature > 0 and sampling.top_p < 1)
     name = drafter_name(draft)
     drafters = () if name == "none" else (name,)
-    arrays = {name: arrays} if drafters and arrays is not None else {}   # the one drafter's, by name
+    arrays = one_drafter_arrays(draft, arrays)
     buf = buf.at[prompt_len].set(pre.first)
     prompt_pairs = buf[1:len(pre.hidden) + 1]       # the token after each prompt position
     empty = empty_drafts(params, cfg, drafters, len(buf), params["embed_tokens"].dtype, arrays)
@@ -786,7 +791,7 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
 def generate_device(params, cfg, prompt, prompt_len, limit, key, arrays=None, *, sampling, draft, K, rollback,
                     capacity, mesh=None, tree=None):
     """prefill_device then decode_device in one traceable function (vmap it over keys to sample many runs)."""
-    taps = () if draft == "none" else drafter_taps((drafter_name(draft),), {drafter_name(draft): arrays})
+    taps = () if draft == "none" else drafter_taps((drafter_name(draft),), one_drafter_arrays(draft, arrays))
     pre = prefill_device(params, cfg, prompt, prompt_len, key, sampling=sampling, capacity=capacity, mesh=mesh,
                          taps=taps)
     buf = jnp.zeros(capacity, jnp.int32).at[:len(prompt)].set(prompt)
@@ -876,7 +881,7 @@ def generate(params, cfg, prompt, max_new_tokens, sampling=Sampling(), seed=0, d
             return out
 
         start = time.perf_counter()
-        taps = () if draft == "none" else drafter_taps((drafter_name(draft),), {drafter_name(draft): arrays})
+        taps = () if draft == "none" else drafter_taps((drafter_name(draft),), one_drafter_arrays(draft, arrays))
         run_prefill, fresh = compiled(prefill_seeded, (), cfg, dict(sampling=sampling, capacity=capacity, mesh=mesh,
                                                                     taps=taps), params, padded, prompt_len, seed)
         shapes = (jax.ShapeDtypeStruct((capacity,), jnp.int32), prompt_len, prompt_len,

@@ -53,11 +53,12 @@ def test_a_changed_checkpoint_stops_the_command(tmp_path, capsys):
 
 
 def test_the_4b_recipe_pins_an_asymmetric_geometry():
-    """The 4B recipe (run by hand: 6.7 GB in float64, too heavy for CI's two workers) pins thirteen cases on 32 value heads
-    over 16 key heads at K = V = 128, the mapping 0.8B's symmetric heads cannot show, and a checkpoint digest."""
-    recipe = json.loads(shaped.PACK_FILE.read_text())["recipes"]["Qwen3.5-4B"]
+    """The 4B recipe (run by hand: 6.7 GB in float64, too heavy for CI's two workers) pins thirteen cases on 32 value
+    heads over 16 key heads at K = V = 128, the mapping 0.8B's symmetric heads cannot show, and a checkpoint digest."""
+    recipes = json.loads(shaped.PACK_FILE.read_text())["recipes"]
+    recipe = recipes["Qwen3.5-4B"]
     cfg = shaped.R.config_from_dict(shaped.published.published_config("Qwen3.5-4B", recipe["layers"], recipe["vocab"]))
     assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim) == (16, 32, 128)
     assert len(recipe["checkpoint_sha256"]) == 64 and len(recipe["fingerprints"]) == 13
-    assert {name.replace("4B", "0.8B") for name in recipe["fingerprints"]} == set(
-        json.loads(shaped.PACK_FILE.read_text())["recipes"]["Qwen3.5-0.8B"]["fingerprints"])
+    assert ({name.replace("4B", "0.8B") for name in recipe["fingerprints"]}
+            == set(recipes["Qwen3.5-0.8B"]["fingerprints"]))
