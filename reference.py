@@ -1593,20 +1593,22 @@ TREE_LIMITS = {"nodes": 64, "depth": 16, "branch": 8}
 TREE_DRAFTERS = {"ngram": lambda params, cfg: NGRAM_TREE, "mtp": mtp_tree_drafter}     # --draft NAME --tree
 
 
-def parse_tree_budget(text):  # "NODES[:DEPTH[:BRANCH]]" -> TreeBudget; depth defaults to nodes, branch to nodes
+def parse_tree_budget(text, name="--tree"):  # "NODES[:DEPTH[:BRANCH]]" -> TreeBudget; depth, branch default to nodes
+    if not isinstance(text, str):
+        raise UserError(f"{name}: expected NODES[:DEPTH[:BRANCH]] as a string")
     parts = text.split(":")
     try:
         values = [int(p) for p in parts]
     except ValueError:
         values = []
     if not 1 <= len(values) <= 3:
-        raise UserError(f"--tree {text!r}: expected NODES[:DEPTH[:BRANCH]], integers")
+        raise UserError(f"{name} {text!r}: expected NODES[:DEPTH[:BRANCH]], integers")
     nodes = values[0]
     values += [min(nodes, TREE_LIMITS["depth"]), min(nodes, TREE_LIMITS["branch"])][len(values) - 1:]
     budget = TreeBudget(*values)
     for field, value in budget._asdict().items():
         if not 1 <= value <= TREE_LIMITS[field]:
-            raise UserError(f"--tree {text!r}: {field} must be in [1, {TREE_LIMITS[field]}]")
+            raise UserError(f"{name} {text!r}: {field} must be in [1, {TREE_LIMITS[field]}]")
     return budget
 
 

@@ -80,25 +80,26 @@ class Slots(NamedTuple):
 # ----------------------------------------------------------------------------------------------------------------
 # One slot's part of a serving step: spec_decode.request_step on its row
 
-def slot_step(params, cfg, s, arrays, *, T, K, rollback, features, prefills):
+def slot_step(params, cfg, s, arrays, *, T, K, rollback, features, prefills, tree=None):
     """One slot's part of a step (vmapped over the slots by `step`): s is one row of Slots; arrays: {drafter name:
     its constant arrays} (the DFlash drafter's weights), shared by the slots."""
     drafters = compiled_drafters(features)
     row = Row(s.state, {name: s.drafts[name] for name in drafters if name in s.drafts}, s.buf, s.ntok, s.prefill_to,
               s.phase, s.key, s.stats, s.logprob)
     row = request_step(params, cfg, row, s.settings, arrays, T=T, K=K, rollback=rollback, features=features,
-                       drafters=drafters, prefills=prefills)
+                       drafters=drafters, prefills=prefills, tree=tree)
     return s._replace(**row._replace(drafts={**s.drafts, **row.drafts})._asdict())
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Steps and the on-device loop over them
 
-def step(params, cfg, slots, arrays=None, *, T, K, rollback, features, prefills=True, mesh=None):
+def step(params, cfg, slots, arrays=None, *, T, K, rollback, features, prefills=True, mesh=None, tree=None):
     """Every slot's row one step on: vmapped slot_step (the weights are read once for all rows' tokens). prefills:
-    whether a row may prefill (a step without compiles no prefill)."""
+    whether a row may prefill (a step without compiles no prefill). tree: the step's reference.TreeBudget (K = its
+    nodes) when some row's request verifies draft trees (Settings.tree), each within its own."""
     row = partial(slot_step, params, cfg, arrays=arrays, T=T, K=K, rollback=rollback, features=features,
-                  prefills=prefills)
+                  prefills=prefills, tree=tree)
     slots = jax.vmap(row)(slots)
     return slots if mesh is None else lax.with_sharding_constraint(slots, slot_shardings(mesh, slots))
 
@@ -111,7 +112,7 @@ def slot_shardings(mesh, slots):
 
 
 def run_steps(params, cfg, slots, max_steps, stop_when_done, arrays=None, *, T, K, rollback, features, prefill,
-              prefills=True, mesh=None):
+              prefills=True, mesh=None, tree=None):
     """Steps on device until max_steps, until no row has work, until a row pauses or (stop_when_done) finishes, or,
     in a prefill-width loop (prefill), until no row prefills -> (slots, steps run). prefills: whether a row may
     prefill in these steps (no row can start to: admission is the host's)."""
@@ -132,10 +133,10 @@ def run_steps(params, cfg, slots, max_steps, stop_when_done, arrays=None, *, T, 
         i, slots, _ = carry
         if one:
             new = slot_step(params, cfg, slots, arrays, T=T, K=K, rollback=rollback, features=features,
-                            prefills=prefills)
+                            prefills=prefills, tree=tree)
         else:
             new = step(params, cfg, slots, arrays, T=T, K=K, rollback=rollback, features=features, prefills=prefills,
-                       mesh=mesh)
+                       mesh=mesh, tree=tree)
         done_now = (new.phase == DONE) & (slots.phase != DONE)
         return i + 1, new, (new.phase == PAUSED).any() | (stop_when_done & done_now.any())
     carried = jax.tree.map(lambda x: x[0], slots) if one else slots
@@ -154,7 +155,8 @@ def empty_slots(cfg, slots, capacity, dtype=f32, mtp=False, arrays=None):
         features = Features(mtp=mtp, dflash="dflash" in (arrays or {}))
         drafts = empty_drafts(None, cfg, compiled_drafters(features), capacity, dtype, arrays)
         zero = jnp.int32(0)
-        settings = Settings(f32(0), zero, f32(1), zero, zero, zero, zero, jnp.full(MAX_STOP_IDS, -1, i32))
+        settings = Settings(f32(0), zero, f32(1), zero, zero, zero, zero, jnp.full(MAX_STOP_IDS, -1, i32),
+                            reference.TreeBudget(zero, zero, zero))
         stats = Stats(zero, zero, zero, jnp.zeros(MAX_DRAFT_LEN, i32), jnp.zeros(MAX_DRAFT_LEN, i32))
         return Slots(state, drafts, jnp.zeros(capacity, i32), zero, zero, jnp.int32(FREE), jax.random.key(0),
                      settings, stats, jnp.zeros(capacity, f32))

@@ -16,7 +16,8 @@ picks a free port; the line names it). Endpoints:
 (default 1.0; 0 is greedy), top_p, seed, stream, and these extensions: top_k, stop_token_ids (ids that end the
 completion besides the checkpoint's EOS ids; ignore_eos: true drops the EOS ids), draft (none, ngram, mtp; dflash
 with --dflash DIR), draft_len, cache_prompt (default true: the prompt leaves a prefix-cache entry that later prompts
-beginning with it restore).
+beginning with it restore), tree ("NODES[:DEPTH[:BRANCH]]", --tree's form: each round verifies a draft tree of draft
+ngram or mtp within that budget, at most 32 nodes; draft_len is then unused).
 logprobs: 0 returns each generated token's log-probability under the model's raw logits (before temperature, top-k
 and top-p, as vLLM's default) in the choice's OpenAI `logprobs` ({"tokens", "token_logprobs", "top_logprobs": null,
 "text_offset"}); no alternatives, so logprobs > 0 is refused. Unsupported OpenAI fields (n > 1, best_of, echo,
@@ -51,7 +52,7 @@ REFUSED = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (Non
 FIELD_OF = {"max_new_tokens": "max_tokens", "stop": "stop_token_ids"}   # a setting -> its OpenAI field, where named apart
 SETTINGS = {FIELD_OF.get(name, name): name for name in reference.REQUEST_SETTINGS if name != "rollback"}  # the server's
 DEFAULTS = {"max_new_tokens": 16, "temperature": 1.0}                    # OpenAI's, where they differ from ours
-KNOWN = {"model", "prompt", *SETTINGS, "stream", "stop_token_ids", "ignore_eos", "cache_prompt", "user",
+KNOWN = {"model", "prompt", *SETTINGS, "stream", "stop_token_ids", "ignore_eos", "cache_prompt", "tree", "user",
          "return_token_ids", "stream_options", "presence_penalty", "frequency_penalty", *REFUSED}
 
 
@@ -139,11 +140,12 @@ def completion_request(body, cfg, tokenizer, context):
                     else reference.json_setting(name, body[field], field) for field, name in SETTINGS.items()}
         from .spec_decode import ENGINE_DRAFTERS  # not at the top: --inject-bug replaces spec_decode before its import
         reference.check_settings(settings, field_of, ENGINE_DRAFTERS)
+        tree = None if body.get("tree") is None else reference.parse_tree_budget(body["tree"], "tree")
     except UserError as e:
         raise BadRequest(str(e)) from None
     sampling = reference.Sampling(*(settings.pop(name) for name in reference.Sampling._fields))
     kwargs = dict(prompt=prompt, **settings, sampling=sampling, stop=tuple(dict.fromkeys(eos + stop)),
-                  cache_prompt=body.get("cache_prompt", True), logprobs=body.get("logprobs") is not None)
+                  cache_prompt=body.get("cache_prompt", True), logprobs=body.get("logprobs") is not None, tree=tree)
     if len(prompt) + kwargs["max_new_tokens"] > context:
         raise BadRequest(f"the prompt ({len(prompt)} tokens) and max_tokens {kwargs['max_new_tokens']} exceed the "
                          f"server's context of {context} tokens")

@@ -7,7 +7,8 @@
 Each line of the requests file is a JSON object: "prompt" (text) or "prompt_ids" (a list of ids), and any of "id"
 (echoed back; default the line number, from 1), "max_new_tokens", "temperature", "top_k", "top_p", "seed", "draft"
 (none, ngram, mtp; dflash with --dflash DIR), "draft_len", "stop" (a list of ids; default the checkpoint's EOS ids),
-"cache_prompt" (true: later prompts that begin with this one restore its state instead of prefilling it). Defaults
+"cache_prompt" (true: later prompts that begin with this one restore its state instead of prefilling it), "tree"
+("NODES[:DEPTH[:BRANCH]]", --tree's form: each round verifies a draft tree of draft ngram or mtp). Defaults
 and ranges are the command line's (python -m jax_impl --help). Each result is one line, written as its request
 finishes: {"id", "prompt_ids", "tokens", "text", "stats"}, its tokens those of `python -m jax_impl --json` run alone
 with the same settings.
@@ -29,7 +30,7 @@ from .weights import DTYPES, load
 UserError = reference.UserError
 
 SETTINGS = [name for name in reference.REQUEST_SETTINGS if name != "rollback"]  # the rollback strategy: --rollback
-FIELDS = ("id", "prompt", "prompt_ids", *SETTINGS, "stop", "cache_prompt")
+FIELDS = ("id", "prompt", "prompt_ids", *SETTINGS, "stop", "cache_prompt", "tree")
 
 
 def parse_args(argv):
@@ -81,8 +82,9 @@ def request_of(fields, tokenizer):
     if not isinstance(fields.get("cache_prompt", False), bool):
         raise UserError("cache_prompt: expected true or false")
     settings["sampling"] = reference.Sampling(*(settings.pop(name) for name in reference.Sampling._fields))
+    tree = None if fields.get("tree") is None else reference.parse_tree_budget(fields["tree"], "tree")
     return Request(tuple(prompt), **settings, stop=None if stop is None else tuple(stop),
-                   cache_prompt=fields.get("cache_prompt", False))
+                   cache_prompt=fields.get("cache_prompt", False), tree=tree)
 
 
 def token_ids(value, name):

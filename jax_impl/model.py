@@ -114,14 +114,14 @@ def gated_deltanet(x, state, valid, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_p
                    norm, out_proj, tree=None):  # (T, D) -> (T, D), DeltaState, Tape
     """tree: the tokens are a draft tree's nodes (Tree); each node's conv window and recurrence come from its own
     path, and the returned DeltaState is the one before the pass (a tree leaves no single state: the commit
-    rebuilds it, rollback.TREE_STRATEGIES)."""
+    rebuilds it, trees.TREE_STRATEGIES). A batch row whose Tree is off (a chain beside tree rows) runs the
+    sequence's rules (trees.per_row)."""
     T = x.shape[0]
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv, z, b, a = matmuls(x, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)   # (T, C), (T, Hv*Dv), (T, Hv), (T, Hv)
-    if tree is None:
-        mixed, conv = causal_conv1d(qkv, state.conv, conv1d[:, 0, :], valid)   # (T, C), (W-1, C)
-    else:                                                                      # windows along ancestor paths
-        mixed, conv = tree_conv1d(qkv, state.conv, conv1d[:, 0, :], tree), state.conv
+    on = False if tree is None else tree.on
+    mixed, conv = trees.per_row(on, lambda: (tree_conv1d(qkv, state.conv, conv1d[:, 0, :], tree), state.conv),
+                                lambda: causal_conv1d(qkv, state.conv, conv1d[:, 0, :], valid))   # (T, C), (W-1, C)
     mixed = jax.nn.silu(mixed.astype(f32))
     q = l2norm(mixed[:, :Hk * Dk].reshape(T, Hk, Dk))                          # (T, Hk, Dk)
     k = l2norm(mixed[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))               # (T, Hk, Dk)
@@ -130,14 +130,17 @@ def gated_deltanet(x, state, valid, cfg, in_proj_qkv, in_proj_z, in_proj_b, in_p
     beta = jnp.where(live, jax.nn.sigmoid(b.astype(f32)), 0)                   # (T, Hv)  write strength
     g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))  # (T, Hv) log decay, < 0
     g = jnp.where(live, g, 0)
-    if tree is not None:                                                       # from each node's parent state
-        (o, delta), S = gated_delta_tree(q, k, v, g, beta, state.S, tree.mask), state.S
-    elif T == 1:                                                               # decode: the one-step recurrence
-        q1, k1 = value_head_queries_keys(q, k, Hv)
-        o, S, delta = gated_delta_step(state.S, q1[0], k1[0], v[0], g[0], beta[0])
-        o, delta = o[None], delta[None]
-    else:                                                                      # prefill, verify: chunked
-        o, S, delta = gated_delta_chunked(q, k, v, g, beta, state.S)           # (T, Hv, Dv)
+    def from_parents():                                                        # each node from its parent's state
+        o, delta = gated_delta_tree(q, k, v, g, beta, state.S, tree.mask)
+        return o, state.S, delta
+
+    def in_sequence():
+        if T == 1:                                                             # decode: the one-step recurrence
+            q1, k1 = value_head_queries_keys(q, k, Hv)
+            o, S, delta = gated_delta_step(state.S, q1[0], k1[0], v[0], g[0], beta[0])
+            return o[None], S, delta[None]
+        return gated_delta_chunked(q, k, v, g, beta, state.S)                  # prefill, verify: chunked (T, Hv, Dv)
+    o, S, delta = trees.per_row(on, from_parents, in_sequence)
     z = z.reshape(T, Hv, Dv)                                                   # (T, Hv, Dv)  output gate
     y = rms_norm_gated(o, z, norm, cfg.rms_norm_eps).reshape(T, Hv * Dv)
     return matmul(y, out_proj), DeltaState(conv, S), Tape(qkv, k, g, delta)

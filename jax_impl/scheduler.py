@@ -56,6 +56,8 @@ class Request(NamedTuple):
     stop: tuple = None            # stop ids; None: the checkpoint's EOS ids
     cache_prompt: bool = False    # leave a prefix-cache entry of this prompt
     logprobs: bool = False        # report each token's log-probability (Event.logprobs)
+    tree: object = None           # a reference.TreeBudget: each round verifies a draft tree of its drafter's
+                                  # (spec_decode.TREE_DRAFTERS) within it; draft_len is then unused
 
 
 class Event(NamedTuple):
@@ -108,7 +110,31 @@ def check_request(cfg, params, r, label=str, loaded=()):
     if len(stop) > MAX_STOP_IDS or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in stop):
         raise UserError(f"{label('stop')} {list(stop)!r:.100}: at most {MAX_STOP_IDS} token ids in "
                         f"[0, {cfg.vocab_size})")
+    if r.tree is not None:
+        check_tree_budget(r, label)
     return reference.token_limit(cfg, list(r.prompt), r.max_new_tokens)
+
+
+def check_tree_budget(r, label=str):
+    """A request's draft tree budget: a drafter that drafts trees, each bound in reference.TREE_LIMITS, and at most
+    MAX_DRAFT_LEN nodes (a server's widest round)."""
+    if r.draft not in spec_decode.TREE_DRAFTERS:
+        raise UserError(f"{label('tree')}: a draft tree needs {label('draft')} "
+                        f"{' or '.join(spec_decode.TREE_DRAFTERS)}, not {r.draft}")
+    limits = {**reference.TREE_LIMITS, "nodes": min(reference.TREE_LIMITS["nodes"], MAX_DRAFT_LEN)}
+    for field, value in r.tree._asdict().items():
+        if not (isinstance(value, int) and 1 <= value <= limits[field]):
+            raise UserError(f"{label('tree')} {field} {value!r}: must be an integer in [1, {limits[field]}]")
+
+
+def tree_budget(tree):
+    """A request's tree setting: a reference.TreeBudget, "NODES[:DEPTH[:BRANCH]]" (--tree's form) or None."""
+    return reference.parse_tree_budget(tree) if isinstance(tree, str) else tree
+
+
+def round_width(r, limit):
+    """K of a request's rounds: its tree's nodes, or its drafts (round_draft_len)."""
+    return r.tree.nodes if r.tree is not None else round_draft_len(r.draft, r.draft_len, limit)
 
 
 class Server:
@@ -161,10 +187,12 @@ class Server:
     # The API
 
     def submit(self, prompt, max_new_tokens=64, sampling=Sampling(), seed=0, draft="none", draft_len=4, stop=None,
-               cache_prompt=False, logprobs=False):
-        """Queue a request -> its id. Checked here: a bad request raises reference.UserError and is not queued."""
+               cache_prompt=False, logprobs=False, tree=None):
+        """Queue a request -> its id. Checked here: a bad request raises reference.UserError and is not queued.
+        tree: a draft tree budget (a reference.TreeBudget or "NODES[:DEPTH[:BRANCH]]"), draft one of
+        spec_decode.TREE_DRAFTERS."""
         r = Request(tuple(int(t) for t in prompt), max_new_tokens, sampling, seed, draft, draft_len,
-                    None if stop is None else tuple(stop), cache_prompt, logprobs)
+                    None if stop is None else tuple(stop), cache_prompt, logprobs, tree_budget(tree))
         limit = check_request(self.cfg, self.params, r, loaded=tuple(self.arrays))
         if len(r.prompt) + limit > self.context:
             raise UserError(f"the prompt ({len(r.prompt)} tokens) and {limit} new tokens exceed the server's context "
@@ -179,7 +207,11 @@ class Server:
         return request_id
 
     def check_pinned(self, r, limit):
-        K = round_draft_len(r.draft, r.draft_len, limit)
+        pinned = self.max_draft_len is not None or self.features is not None
+        if r.tree is not None and pinned:  # its steps are compiled once, for chains
+            raise UserError("a draft tree: this server's steps are pinned (max_draft_len, features, step_width), and "
+                            "they verify chains only")
+        K = round_width(r, limit)
         if self.max_draft_len is not None and K > self.max_draft_len:
             raise UserError(f"draft_len {r.draft_len}: the server compiles rounds of at most {self.max_draft_len}")
         if self.features is not None:
@@ -203,6 +235,7 @@ class Server:
             return self.collect()
         K = batch.draft_bucket(max(self.live[i].draft_len for i in working) if self.max_draft_len is None
                                else self.max_draft_len)
+        tree = step_tree(K, [self.live[i].request.tree for i in working])
         prefill_to = fetch(self.slots.prefill_to)
         prefilling = [i for i in working if phase[i] == PREFILL]
         chunk = max((int(prefill_to[i]) - int(length[i]) for i in prefilling), default=0)
@@ -210,7 +243,7 @@ class Server:
         features = self.features or features_of([self.live[i].request for i in working])
         statics = dict(T=T, K=K, rollback=self.rollback, features=features,
                        prefill=bool(prefilling) and not self.step_width,
-                       prefills=bool(prefilling) or self.step_width is not None, mesh=self.mesh)
+                       prefills=bool(prefilling) or self.step_width is not None, mesh=self.mesh, tree=tree)
         if self.mesh is not None:  # slot bookkeeping (admit, resume) may have moved some leaves: back in place
             self.slots = jax.device_put(self.slots, batch.slot_shardings(self.mesh, self.slots))
         run_steps, fresh = compiled(batch.run_steps, (1,), self.cfg, statics, self.params, self.slots,
@@ -256,12 +289,13 @@ class Server:
             request_id, r, limit = self.waiting.popleft()
             entry = self.lookup(r)
             stop = self.cfg.eos_token_id if r.stop is None else r.stop
-            K = round_draft_len(r.draft, r.draft_len, limit)
+            K = round_width(r, limit)
             settings = batch.Settings(
                 np.float32(r.sampling.temperature), np.int32(min(r.sampling.top_k, self.cfg.vocab_size)),
                 np.float32(r.sampling.top_p),
                 np.int32(DRAFTER_NAMES.index(r.draft)), np.int32(K), np.int32(limit), np.int32(len(r.prompt)),
-                np.array(list(stop) + [-1] * (MAX_STOP_IDS - len(stop)), np.int32))
+                np.array(list(stop) + [-1] * (MAX_STOP_IDS - len(stop)), np.int32),
+                reference.TreeBudget(*(np.int32(v) for v in (r.tree or (0, 0, 0)))))
             prompt = np.zeros(self.capacity, np.int32)
             prompt[:len(r.prompt)] = r.prompt
             cache_point = len(r.prompt) - 1 if r.cache_prompt and len(r.prompt) > 1 else len(r.prompt)
@@ -321,6 +355,15 @@ class Server:
         self.slots = resume_slot(self.slots, np.int32(index), np.int32(len(r.prompt)))
 
 
+def step_tree(K, trees):
+    """The reference.TreeBudget a step of width K compiles for its rows' trees (None among them: chains): their
+    widest depth and branch, K nodes; None when no row verifies trees."""
+    trees = [t for t in trees if t is not None]
+    if not trees:
+        return None
+    return reference.TreeBudget(K, max(t.depth for t in trees), max(t.branch for t in trees))
+
+
 def features_of(requests):
     """The batch.Features that rows running `requests` need."""
     sampled = [r.sampling for r in requests if r.sampling.temperature > 0]
@@ -339,7 +382,8 @@ def stats_of(r, tokens, counts, seconds, rollback="replay"):
     counts = counts or {"target_calls": 0, "proposed": 0, "accepted": 0, "proposed_by_position": [],
                         "accepted_by_position": []}
     return reference.generation_stats(len(r.prompt), len(tokens), counts["target_calls"], {"total": seconds},
-                                      None if r.draft == "none" else counts, r.draft_len, rollback)
+                                      None if r.draft == "none" else counts,
+                                      r.draft_len if r.tree is None else r.tree.nodes, rollback)
 
 
 def check_memory(cfg, params, slots, capacity):

@@ -405,23 +405,28 @@ DFLASH = DeviceDrafter(dflash_empty, dflash_propose, dflash_update, dflash_prepa
                        lambda arrays: tuple(arrays.dcfg.target_layer_ids))
 
 
-# Tree drafters (reference.TreeDrafter): propose(params, cfg, draft_state, buf, ntok, budget, room) -> tokens (N,)
-# with the root at 0 (filled in by the round), parents (N,), real nodes m (the root included), N = budget.nodes + 1;
-# nodes past m are padding (children of the root). Drafts are deterministic: q is one-hot. buf[:ntok] is the
-# context (DeviceDrafter.propose's), `room` (traced) the depth that still fits the length limit. The drafter's state
-# and its update are its DeviceDrafter's.
+# Tree drafters (reference.TreeDrafter): propose(params, cfg, draft_state, buf, ntok, budget, own, room) -> tokens
+# (N,) with the root at 0 (filled in by the round), parents (N,), real nodes m (the root included), N = budget.nodes
+# + 1; nodes past m are padding (children of the root). Drafts are deterministic: q is one-hot. buf[:ntok] is the
+# context (DeviceDrafter.propose's), `room` (traced) the depth that still fits the length limit. `budget` (static)
+# fixes the shapes; `own` (a TreeBudget, traced in a batch, each field <= budget's) is the request's, and the tree is
+# the one its own budget gives, padded: a batch row's tree is its single run's. The drafter's state and its update
+# are its DeviceDrafter's.
 
-def top_k_tree(depth_logits, budget, room):  # (D, V) logits at depths 1..D of an argmax chain -> tokens, parents, m
+def top_k_tree(depth_logits, budget, own, room):  # (D, V) logits at depths 1..D of an argmax chain -> tokens, parents, m
     """reference.top_k_tree on device: at depth d up to BRANCH of its most likely tokens are children of the spine's
     node at depth d - 1 (the spine: the argmax chain); the NODES candidates most likely to be reached (the product
     along the spine times the token's chance; ties: the shallower, then the higher ranked), depths past `room` left
-    out, ordered by depth and rank."""
+    out, ordered by depth and rank. Within `own`: candidates past its depth and branch score -1, and its first NODES
+    by score are kept (a candidate's order is the same in the wider budget: depth first, then rank)."""
     D, B, nodes = budget.depth, budget.branch, budget.nodes
     q = jax.nn.softmax(depth_logits.astype(f32), axis=-1)
     chance, token = lax.top_k(q, B)                                                    # (D, B) ties: lower id first
     reach = jnp.concatenate([jnp.ones(1, f32), jnp.cumprod(chance[:, 0])])[:D]         # of the spine's node above
-    score = jnp.where((jnp.arange(D) < room)[:, None], reach[:, None] * chance, -1).reshape(-1)   # (D B,)
+    inside = (jnp.arange(D) < jnp.minimum(room, own.depth))[:, None] & (jnp.arange(B) < own.branch)[None, :]
+    score = jnp.where(inside, reach[:, None] * chance, -1).reshape(-1)                 # (D B,)
     best, index = lax.top_k(score, min(nodes, D * B))                                  # ties: lower index first
+    best = jnp.where(jnp.arange(len(best)) < own.nodes, best, -1)
     kept = jnp.sort(jnp.where(best >= 0, index, D * B))                                # by depth, rank; left out last
     real = kept < D * B
     node_of = jnp.zeros(D * B + 1, i32).at[kept].set(jnp.arange(1, len(kept) + 1))    # candidate -> its node
@@ -433,14 +438,14 @@ def top_k_tree(depth_logits, budget, room):  # (D, V) logits at depths 1..D of a
             jnp.pad(jnp.concatenate([jnp.full(1, -1, i32), parents]), (0, pad)), 1 + real.sum())
 
 
-def mtp_tree_propose(params, cfg, draft_state, buf, ntok, budget, room):
+def mtp_tree_propose(params, cfg, draft_state, buf, ntok, budget, own, room):
     """reference.mtp_tree_drafter: the head chains DEPTH times on its argmax (mtp_chain, from the state its update
     left), and its logits at each depth make the tree (top_k_tree)."""
     def pick(h, key):
         logits = lm_head(params, h)
         return argmax(logits), logits
     _, depth_logits = mtp_chain(params, cfg, draft_state, budget.depth, jax.random.key(0), pick)
-    return top_k_tree(depth_logits, budget, room)
+    return top_k_tree(depth_logits, budget, own, room)
 
 
 TREE_DRAFTERS = {"mtp": mtp_tree_propose}      # --draft NAME with a tree budget (the state: DRAFTERS[NAME]'s)
@@ -519,6 +524,8 @@ class Settings(NamedTuple):
     limit: object             # i32: tokens to generate at most (reference.token_limit)
     prompt_len: object        # i32
     stop: object              # (MAX_STOP_IDS,) i32 stop ids, -1 padded
+    tree: object = None       # a reference.TreeBudget: its rounds verify draft trees (draft_len = its nodes); in a
+                              # batch of i32 fields, nodes 0 for a chain request. None: a chain (single loop)
 
 
 class Features(NamedTuple):
@@ -574,56 +581,70 @@ def propose(params, cfg, row, settings, arrays, K, sampling, key, drafters):
 
 
 def propose_tree(params, cfg, row, settings, budget, drafters):
-    """The request's draft tree within `budget` (reference.TreeBudget, static): its tree drafter's (TREE_DRAFTERS),
-    depths cut to the tokens left after the target's -> drafts (K,) = nodes 1..K, parents (K+1,), one-hot q (K, V),
-    how many drafted nodes count (K = budget.nodes)."""
+    """The request's draft tree within its own budget (settings.tree) in the step's `budget` (reference.TreeBudget,
+    static): its tree drafter's (TREE_DRAFTERS), depths cut to the tokens left after the target's -> drafts (K,) =
+    nodes 1..K, parents (K+1,), one-hot q (K, V), how many drafted nodes count (K = budget.nodes)."""
     K, room = budget.nodes, settings.limit - (row.ntok - settings.prompt_len) - 1
     tokens, parents, m = jnp.zeros(K + 1, i32), jnp.pad(jnp.full(1, -1, i32), (0, K)), jnp.int32(1)
-    for name in drafters:
-        theirs = TREE_DRAFTERS[name](params, cfg, row.drafts.get(name), row.buf, row.ntok, budget, room)
+    for name in (name for name in drafters if name in TREE_DRAFTERS):
+        theirs = TREE_DRAFTERS[name](params, cfg, row.drafts.get(name), row.buf, row.ntok, budget, settings.tree, room)
         use = drafts_with(settings, name)
         tokens, parents, m = (select(use, new, old) for new, old in zip(theirs, (tokens, parents, m)))
     return tokens[1:], parents, jax.nn.one_hot(tokens[1:], cfg.vocab_size, dtype=f32), m - 1
 
 
-def target_pass(params, cfg, state, tokens, valid, pick, K, rollback, parents=None, taps=()):
+class KeptBoth(NamedTuple):
+    """What a batch row's pass keeps when the row may be a tree or a sequence (trees.per_row): both, each from the
+    row's own tapes; the row's commit reads its own."""
+    chain: object
+    tree: object
+
+
+def target_pass(params, cfg, state, tokens, valid, pick, K, rollback, parents=None, taps=(), as_tree=True):
     """The request's pass over tokens (T,) of which `valid` count -> logits (K+1, V) at positions `pick` (K+1,),
     hidden (T, D), the state after the valid tokens, what `rollback` keeps for the first K+1 positions, and the
     outputs of the layers `taps` (T, len(taps) D) (None without taps). With `parents` (K+1,) those positions are a
     draft tree's nodes (trees.py; the rest of the T, padding, hang off the root), and what is kept is the tree
-    strategy's (trees.TREE_STRATEGIES)."""
-    tree = None if parents is None else trees.tree_of(jnp.pad(parents, (0, len(tokens) - K - 1)))
+    strategy's (trees.TREE_STRATEGIES). as_tree traced (a batch row beside tree rows): parents (T,), a chain's
+    (trees.chain_parents) where the row's tokens are a sequence, and what is kept is KeptBoth."""
+    tree = None if parents is None else trees.tree_of(jnp.pad(parents, (0, len(tokens) - len(parents))))
+    tree = tree if tree is None else tree._replace(on=as_tree)
     hidden, after, tapes, tapped = forward_tapped(params, cfg, tokens, state, valid, taps, tree)
     tapes = [None if t is None else Tape(*(x[:K + 1] for x in t)) for t in tapes]
-    if tree is not None:
-        nodes = trees.Tree(tree.mask[:K + 1, :K + 1], tree.depth[:K + 1])
-        return (lm_head(params, hidden[pick]), hidden, after, trees.TREE_STRATEGIES[rollback].keep(state, tapes, nodes),
-                tapped)
-    return (lm_head(params, hidden[pick]), hidden, after, STRATEGIES[rollback].keep(state, tapes) if K else tapes,
-            tapped)
+    logits = lm_head(params, hidden[pick])
+    if tree is None:
+        return logits, hidden, after, STRATEGIES[rollback].keep(state, tapes) if K else tapes, tapped
+    kept = trees.TREE_STRATEGIES[rollback].keep(state, tapes, trees.Tree(tree.mask[:K + 1, :K + 1], tree.depth[:K + 1]))
+    if as_tree is not True:
+        kept = KeptBoth(STRATEGIES[rollback].keep(state, tapes), kept)
+    return logits, hidden, after, kept, tapped
 
 
-def decide(drafts, m, q, logits, sampling, u, stop, features, parents=None):
+def decide(drafts, m, q, logits, sampling, u, stop, features, parents=None, as_tree=True):
     """Accept the first m drafts (K,) against logits (K+1, V): greedy, or speculative sampling with uniforms u (K+1,)
     (u[K] draws the target's token) -> (accepted, the target's token, committed tokens (K+1,), how many: the
     accepted drafts and the token, ending at the first stop id; whether a stop id ended them; the accepted path).
     With `parents` (K+1,) the drafts are a tree's nodes 1..K (its first m + 1 nodes real): the tree's acceptance
     (multi-draft sampling, one-hot or given q), and the accepted drafts are the accepted path's (K+1,), of which
-    accepted + 1 count (None for a chain)."""
-    path = None
-    if parents is None:
+    accepted + 1 count (None for a chain). as_tree traced (a batch row beside tree rows): the row's own rule, a
+    chain's path being 0, 1, ..., K."""
+    def chain():
         accepted, token = accept_greedy(drafts, m, logits)
         if features.sample:
             sampled = accept_speculative(drafts, m, q, probabilities(logits, sampling), u)
             accepted, token = (select(sampling.temperature > 0, s, g) for s, g in zip(sampled, (accepted, token)))
-    else:
+        return accepted, token, drafts, jnp.arange(len(drafts) + 1)
+
+    def tree():
         nodes = jnp.concatenate([jnp.zeros(1, i32), drafts])
         path, length, token = accept_tree_greedy(nodes, parents, m + 1, logits)
         if features.sample:
             sampled = accept_tree_speculative(nodes, parents, m + 1, q, probabilities(logits, sampling), u)
             path, length, token = (select(sampling.temperature > 0, s, g)
                                    for s, g in zip(sampled, (path, length, token)))
-        accepted, drafts = length - 1, nodes[path[1:]]
+        return length - 1, token, nodes[path[1:]], path
+    accepted, token, drafts, path = trees.per_row(parents is not None and as_tree, tree, chain)
+    path = None if parents is None else path
     positions = jnp.arange(len(drafts) + 1)
     new = jnp.where(positions < accepted, jnp.append(drafts, 0), token)
     stops = jnp.isin(new, stop) & (positions <= accepted)
@@ -665,40 +686,51 @@ def request_step(params, cfg, row, settings, arrays=None, *, T, K, rollback, fea
     DECODE, a prompt chunk of up to T tokens when PREFILL (compiled in only if `prefills`: some row may prefill),
     nothing otherwise. drafters: the names compiled in (DRAFTERS); arrays: {name: its constant arrays}
     (DeviceDrafter.prepare) for those that have them.
-    tree: a reference.TreeBudget (static; K = its nodes): the round verifies a draft tree of its drafter's
-    (TREE_DRAFTERS) and commits the accepted path."""
+    tree: a reference.TreeBudget (static; K = its nodes, the widest of the rows' own settings.tree): a tree
+    request's round verifies a draft tree of its drafter's (TREE_DRAFTERS) and commits the accepted path; in a batch
+    the other rows (chains, prefill chunks) run beside it by their own rules (trees.per_row)."""
     st, c, arrays = settings, row.state.length, arrays or {}
     prefilling, decoding = (row.phase == PREFILL) if prefills else False, row.phase == DECODE
     sampling = row_sampling(st, features)
     plain = drafts_with(st, "none")
     (key2, draw_key), (key3, draft_key, accept_key) = jax.random.split(row.key), jax.random.split(row.key, 3)
+    # whether the row's pass is over a draft tree: Python in the single loop, traced in a batch
+    as_tree = tree is not None and st.tree.nodes > 0
+    as_tree = as_tree & ~prefilling if prefills and tree is not None else as_tree
 
-    if tree is None:
-        drafts, q, m = propose(params, cfg, row, st, arrays, K, sampling, draft_key, drafters)
-        parents = None
-    else:
-        if prefills:
-            raise NotImplementedError("a tree round beside prefilling rows (the batched step) is not written yet")
+    def chain():
+        return propose(params, cfg, row, st, arrays, K, sampling, draft_key, drafters) + (trees.chain_parents(K + 1),)
+
+    def drafted_tree():
         drafts, parents, q, m = propose_tree(params, cfg, row, st, tree, drafters)
+        return drafts, q, m, parents
+    drafts, q, m, parents = trees.per_row(as_tree, drafted_tree, chain)
     verify_tokens = jnp.pad(jnp.concatenate([row.buf[row.ntok - 1][None], drafts]), (0, T - K - 1))
     tokens = select(prefilling, lax.dynamic_slice_in_dim(row.buf, c, T), verify_tokens)
     valid = select(prefilling, jnp.clip(row.prefill_to - c, 0, T), jnp.where(decoding, m + 1, 0))
     pick = select(prefilling, jnp.maximum(valid - 1, 0), jnp.arange(K + 1))
     taps = drafter_taps(drafters, arrays)
-    logits, hidden, after, kept, tapped = target_pass(params, cfg, row.state, tokens, valid, pick, K, rollback, parents,
-                                                      taps)
+    # a batch row's parents over the whole width: its tree's (padding off the root), or a chain's
+    pass_parents = None if tree is None else trees.per_row(as_tree, lambda: jnp.pad(parents, (0, T - K - 1)),
+                                                           lambda: trees.chain_parents(T))
+    logits, hidden, after, kept, tapped = target_pass(params, cfg, row.state, tokens, valid, pick, K, rollback,
+                                                      pass_parents, taps, as_tree)
 
     u = select(plain, jnp.broadcast_to(jax.random.uniform(draw_key), (K + 1,)),
                uniforms_for(accept_key, K, st.draft_len))
-    accepted, _, new, n_decode, stopped, path = decide(drafts, m, q, logits, sampling, u, st.stop, features, parents)
+    accepted, _, new, n_decode, stopped, path = decide(drafts, m, q, logits, sampling, u, st.stop, features,
+                                                       None if tree is None else parents, as_tree)
     n = jnp.where(decoding, n_decode, select(prefilling, valid, 0))
     if tree is None:
         state = commit_kept(rollback, row.state, after, kept, n, K)
     else:  # the accepted path's positions: their logits, hidden states and committed state
-        committed = trees.commit_tree(rollback, row.state, after, kept, path, jnp.maximum(n, 1))
-        state = jax.tree.map(partial(jnp.where, n > 0), committed, row.state)
-        path = jnp.pad(path, (0, T - K - 1))
-        logits, hidden = logits[path[:K + 1]], hidden[path]
+        def tree_commit():
+            committed = trees.commit_tree(rollback, row.state, after, kept.tree if isinstance(kept, KeptBoth) else kept,
+                                          path, jnp.maximum(n, 1))
+            return jax.tree.map(partial(jnp.where, n > 0), committed, row.state)
+        state = trees.per_row(as_tree, tree_commit, lambda: commit_kept(rollback, row.state, after, kept.chain, n, K))
+        rows = trees.per_row(as_tree, lambda: jnp.pad(path, (0, T - K - 1)), lambda: jnp.arange(T))
+        logits, hidden = logits[rows[:K + 1]], hidden[rows]
     buf = jnp.where(decoding, lax.dynamic_update_slice_in_dim(row.buf, new, row.ntok, 0), row.buf)
     ntok = row.ntok + jnp.where(decoding, n_decode, 0)
     prompt_done = False
@@ -761,7 +793,7 @@ def decode_device(params, cfg, buf, prompt_len, limit, pre, arrays=None, *, samp
     in a lax.while_loop, its settings static (greedy compiles no sampling, a plain run no drafting). tree: a
     reference.TreeBudget (K = its nodes): each round verifies a draft tree (request_step)."""
     stop = jnp.array(cfg.eos_token_id or (-1,), i32)
-    settings = Settings(*sampling, drafter_name(draft), K, limit, prompt_len, stop)
+    settings = Settings(*sampling, drafter_name(draft), K, limit, prompt_len, stop, tree)
     features = Features(sample=sampling.temperature > 0, top_k=sampling.temperature > 0 and sampling.top_k > 0,
                         top_p=sampling.temperature > 0 and sampling.top_p < 1)
     name = drafter_name(draft)

@@ -8,6 +8,7 @@ real node computes, and acceptance never reaches them (it is told how many nodes
 (N,) node indices of which the first n count (the root first).
 """
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import jax
@@ -25,6 +26,22 @@ class Tree(NamedTuple):
     """What a pass over a draft tree reads, from its parents: traceable, no loop."""
     mask: jax.Array      # (N, N) bool: mask[i, j] = j is i or an ancestor of i (reference.ancestor_mask)
     depth: jax.Array     # (N,) i32: the root 0; a node's RoPE position is the prefix length + its depth
+    on: object = True    # whether the tokens are a tree: a batch row's traced bool (a chain's or a prefill chunk's
+                         # row passes its tokens as a chain of parents, and its DeltaNet layers run the sequence's
+                         # rules: per_row)
+
+
+def per_row(on, as_tree, as_sequence):
+    """What a pass computes (as_tree, as_sequence: thunks): over a tree (on True), over a sequence (False), or, for a
+    batch row (on traced), both, the row's own selected. So a chain row beside tree rows in one step computes what it
+    computes in a step without them, and a tree row what it computes alone."""
+    if on is True or on is False:
+        return as_tree() if on else as_sequence()
+    return jax.tree.map(partial(jnp.where, on), as_tree(), as_sequence())
+
+
+def chain_parents(T):  # -> (T,) i32: -1, 0, 1, ...: a sequence as a tree (its ancestor mask the causal one)
+    return jnp.arange(T, dtype=jnp.int32) - 1
 
 
 def tree_of(parents):  # (N,) i32, parents[0] = -1 -> Tree
