@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-SUITE_VERSION = 5          # bump on any change to the format or to what a case means (INTERPRETING.md)
+SUITE_VERSION = 6          # bump on any change to the format or to what a case means (INTERPRETING.md)
 REGENERATE = "python -m conformance generate"
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent         # checkpoint paths in manifests are relative to this: the repository root in a clone,
@@ -80,7 +80,8 @@ FEATURES = {
     "trace:tree": "tree rows in a serving trace: verify_tree steps (a draft tree, its acceptance, the accepted path "
                   "committed) in the batches beside prefill and verify rows",
     # serving traces (Engine.run_trace: batches of steps on named requests; INTERPRETING.md section 4)
-    "trace": "run a serving trace: prefill and verify rows of several requests per batch, releases",
+    "trace": "run a serving trace: prefill and verify rows of several requests per batch, releases (tree rows: "
+             "trace:tree)",
     "snapshot": "copy a request's committed state as a prefix-cache entry and start new requests from it",
     # checkpoint properties beyond the default model
     "moe": "qwen3_5_moe: every FFN is a routed MoE",
