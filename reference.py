@@ -587,6 +587,10 @@ class Target(NamedTuple):
     commit: Callable     # (pending, n) -> the state after the first n verified positions
     accept: Callable     # (draft (K,), q (K, V), logits (K+1, V), Sampling, u (K+1,)) -> accepted, next token
     copy: Callable       # state -> a copy that later calls cannot change (a prefix-cache entry)
+    # draft trees (tree_round): None for a target that verifies chains only
+    verify_tree: Callable = None   # (state, tokens (N,), parents (N,)) -> logits (N, V), hidden or None, pending
+    commit_tree: Callable = None   # (pending, path [0, ..., L]) -> the state after consuming the path
+    accept_tree: Callable = None   # (tokens, parents, q (N-1, V), logits (N, V), Sampling, u (N,)) -> path, next token
 
 
 def reference_target(params, cfg, rollback, taps=None):
@@ -594,7 +598,9 @@ def reference_target(params, cfg, rollback, taps=None):
         logits, _, state, _ = forward(params, cfg, tokens, empty_state(cfg) if state is None else state)
         return logits, state
     return Target(extend, lambda state, tokens: verify(params, cfg, state, tokens, rollback, taps), commit, accept,
-                  lambda state: state)   # states are values here: nothing ever changes one
+                  lambda state: state,   # states are values here: nothing ever changes one
+                  lambda state, tokens, parents: verify_tree(params, cfg, state, tokens, parents, rollback, taps),
+                  commit_tree, accept_tree)
 
 
 class Round(NamedTuple):
@@ -617,11 +623,50 @@ def speculative_round(target, state, tokens, q, sampling, u, stop=(), keep=None)
     return Round(logits, hidden, accepted, committed, target.commit(pending, keep))
 
 
+class TreeRound(NamedTuple):
+    logits: np.ndarray   # (N, V) of the tree's verify pass
+    hidden: object       # (N, D) or None, as Round's
+    path: list           # the accepted path [0, ..., L] (None when the trace forced the committed path)
+    committed: list      # the path's drafts and the target's token, ending at a stop token (None when forced)
+    state: object        # after the committed path's nodes
+
+
+def tree_round(target, state, tokens, parents, q, sampling, u, stop=(), path=None):
+    """speculative_round over a draft tree (tokens (N,) with the root = the last committed token, parents (N,)): one
+    target pass, accept a root-to-node path, commit the nodes the committed tokens came from. path: a forced path to
+    commit instead of the acceptance decision."""
+    logits, hidden, pending = target.verify_tree(state, tokens, parents)
+    accepted = committed = None
+    if path is None:
+        accepted, token = target.accept_tree(tokens, parents, q, logits, sampling, u)
+        committed = until_stop([int(tokens[node]) for node in accepted[1:]] + [token], stop)
+        path = accepted[:len(committed)]
+    return TreeRound(logits, hidden, accepted, committed, target.commit_tree(pending, path))
+
+
+def trace_row(target, state, step):
+    """A trace's verify step (a chain of drafts, or none: a plain decoding row) or verify_tree step, and its commit,
+    from its request's state -> the step's outputs: logits, the decision (accepted drafts or the accepted path,
+    committed tokens, whether the request has finished; none when forced) and the state."""
+    rule = step["commit"]
+    decide = (rule.get("q"), sampling_of(rule), rule.get("uniforms"), rule.get("stop", ()))
+    if step["op"] == "verify":
+        r = speculative_round(target, state, step["tokens"], *decide, rule.get("keep"))
+        decision = {"accepted": r.accepted}
+    else:
+        r = tree_round(target, state, step["tokens"], step["parents"], *decide, rule.get("path"))
+        decision = {"path": r.path}
+    out = {"logits": r.logits, "state": r.state}
+    if r.committed is not None:
+        out.update(decision, committed=r.committed, finished=finished(r.committed, rule.get("stop", ())))
+    return out
+
+
 def run_trace(target, batches):
     """A serving trace (conformance/INTERPRETING.md, section 4): batches of steps on named requests, run in order.
     Requests map to states and prefix-cache keys to copies of them. Yields (batch, step, outputs) after each step:
-    prefill -> the last row's logits; verify (and its commit) -> logits, decisions (and whether the request has
-    finished), state; restore -> state."""
+    prefill -> the last row's logits; verify or verify_tree (and its commit) -> logits, decisions (accepted drafts or
+    the accepted path, committed tokens, whether the request has finished), state; restore -> state."""
     requests, cache = {}, {}
     for b, batch in enumerate(batches):
         for s, step in enumerate(batch):
@@ -629,15 +674,9 @@ def run_trace(target, batches):
             if op == "prefill":               # a new request, or the next chunk of its prompt
                 logits, requests[name] = target.extend(requests.get(name), step["tokens"])
                 out["logits"] = logits[-1:]
-            elif op == "verify":              # zero drafts: a plain decoding row
-                rule = step["commit"]
-                r = speculative_round(target, requests[name], step["tokens"], rule.get("q"), sampling_of(rule),
-                                      rule.get("uniforms"), rule.get("stop", ()), rule.get("keep"))
-                requests[name] = r.state
-                out.update(logits=r.logits, state=r.state)
-                if r.committed is not None:
-                    out.update(accepted=r.accepted, committed=r.committed, finished=finished(r.committed,
-                                                                                           rule.get("stop", ())))
+            elif op in ("verify", "verify_tree"):
+                out = trace_row(target, requests[name], step)
+                requests[name] = out["state"]
             elif op == "snapshot":
                 cache[step["key"]] = target.copy(requests[name])
             elif op == "restore":             # a new request starting from a prefix-cache entry
@@ -1563,6 +1602,7 @@ def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng
     the budget. -> the tokens and generate's stats, with the drafted nodes and the accepted depth of every round."""
     limit, tokens, calls, start = token_limit(cfg, prompt, max_new_tokens), [], 0, time.perf_counter()
     prefill_done, draft_state, drafted, accepted, draft_s = start, drafter.initial_state, [], [], 0.0
+    target = reference_target(params, cfg, rollback, drafter.taps)
     if limit > 0:
         logits, new_hidden, state, _ = forward(params, cfg, prompt, empty_state(cfg), drafter.taps)
         prefill_done = time.perf_counter()
@@ -1573,15 +1613,13 @@ def generate_tree_speculative(params, cfg, prompt, max_new_tokens, sampling, rng
         drafting = time.perf_counter()
         tree, parents, draft_state = drafter.propose(draft_state, list(prompt) + tokens, new_hidden, room)
         draft_s += time.perf_counter() - drafting
-        logits, hidden, verified = verify_tree(params, cfg, state, tree, parents, rollback, drafter.taps)
         u = rng.random(len(tree)) if sampling.temperature else None
-        path, token = accept_tree(tree, parents, one_hot(tree[1:], cfg.vocab_size), logits, sampling, u)
-        committed = until_stop([tree[j] for j in path[1:]] + [token], cfg.eos_token_id)
-        state, new_hidden = commit_tree(verified, path[:len(committed)]), hidden[path[:len(committed)]]
-        tokens += committed
+        r = tree_round(target, state, tree, parents, one_hot(tree[1:], cfg.vocab_size), sampling, u, cfg.eos_token_id)
+        state, new_hidden = r.state, r.hidden[r.path[:len(r.committed)]]
+        tokens += r.committed
         drafted.append(len(tree) - 1)
-        accepted.append(len(path) - 1)
-        on_tokens(committed)
+        accepted.append(len(r.path) - 1)
+        on_tokens(r.committed)
         calls += 1
     end = time.perf_counter()
     return tokens, generation_stats(len(prompt), len(tokens), calls, {"prefill": prefill_done - start, "draft": draft_s,

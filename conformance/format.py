@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import safetensors.numpy
 
-SUITE_VERSION = 5          # bump on any change to the format or to what a case means (INTERPRETING.md)
+SUITE_VERSION = 6          # bump on any change to the format or to what a case means (INTERPRETING.md)
 REGENERATE = "python -m conformance generate"
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent         # checkpoint paths in manifests are relative to this: the repository root in a clone,
@@ -77,8 +77,11 @@ FEATURES = {
                             "uniforms",
     "accept:tree-draws": "multi-draft speculative sampling of a given tree many times with the engine's own random "
                          "numbers (the statistical pack)",
+    "trace:tree": "tree rows in a serving trace: verify_tree steps (a draft tree, its acceptance, the accepted path "
+                  "committed) in the batches beside prefill and verify rows",
     # serving traces (Engine.run_trace: batches of steps on named requests; INTERPRETING.md section 4)
-    "trace": "run a serving trace: prefill and verify rows of several requests per batch, releases",
+    "trace": "run a serving trace: prefill and verify rows of several requests per batch, releases (tree rows: "
+             "trace:tree)",
     "snapshot": "copy a request's committed state as a prefix-cache entry and start new requests from it",
     # checkpoint properties beyond the default model
     "moe": "qwen3_5_moe: every FFN is a routed MoE",
@@ -103,7 +106,7 @@ FEATURE_GROUPS = {
     "speculative_decoding": ("speculative", "rollback:per-position", "rollback:replay", "accept:greedy",
                              "accept:sampling"),
     "serving": ("trace", "snapshot"),
-    "trees": ("tree", "accept:tree-sampling", "accept:tree-draws"),
+    "trees": ("tree", "accept:tree-sampling", "accept:tree-draws", "trace:tree"),
     "statistical_pack": ("draws", "accept:draws"),
     "checkpoint_layouts": ("moe", "untied_embeddings", "gva_ratio_1", "gva_ratio_3", "unequal_head_dims", "conv_kernel_3",
                            "partial_rotary_0.5", "multimodal_layout", "per_expert_weights", "mtp_weights"),
@@ -162,8 +165,8 @@ def state_tensors(state):
 
 
 def trace_batches(attrs, inputs):
-    """A trace case's steps as reference.run_trace takes them: the manifest's batches, each sampled commit rule given
-    its q and uniforms (inputs b<batch>.s<step>.q and .uniforms)."""
+    """A trace case's steps as reference.run_trace takes them: the manifest's batches, each sampled commit rule (of a
+    verify or verify_tree step) given its q and uniforms (inputs b<batch>.s<step>.q and .uniforms)."""
     batches = []
     for b, batch in enumerate(attrs["batches"]):
         batches.append([])

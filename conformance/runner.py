@@ -116,13 +116,23 @@ def drive_trace(engine, meta, inputs, expected, model):
     """The trace's batches through engine.run_trace; outputs named b<batch>.s<step>.<output>."""
     batches = trace_batches(meta["attrs"], inputs)
     if not decisions_compared(meta, engine):
-        batches = [[{**step, "commit": {"keep": len(expected[f"b{b}.s{s}.committed"])}}
-                    if f"b{b}.s{s}.committed" in expected else step for s, step in enumerate(batch)]
+        batches = [[golden_commit(step, f"b{b}.s{s}.", expected) for s, step in enumerate(batch)]
                    for b, batch in enumerate(batches)]
     actual = {}
     for b, s, out in engine.run_trace(model, batches, meta["attrs"].get("rollback"), meta["attrs"]["slots"]):
         actual.update({f"b{b}.s{s}.{name}": np.atleast_1d(np.asarray(value)) for name, value in out.items()})
     return actual
+
+
+def golden_commit(step, prefix, expected):
+    """A deciding trace row with the golden's decision forced: the kept positions of a verify row, the committed path
+    of a verify_tree row."""
+    if prefix + "committed" not in expected:
+        return step
+    n = len(expected[prefix + "committed"])
+    if step["op"] == "verify_tree":
+        return {**step, "commit": {"path": [int(node) for node in expected[prefix + "path"][:n]]}}
+    return {**step, "commit": {"keep": n}}
 
 
 def drive_mtp(engine, meta, inputs, expected, model):
@@ -471,9 +481,10 @@ def print_table(results, out):
 
 
 def runs_of(meta):
-    """A trace with drafts and a tree case run once per rollback strategy (their goldens hold for both), named
-    <case>@<strategy>; every other case runs once."""
-    if not (meta["kind"] == "trace" and "speculative" in meta["features"] or meta["kind"] == "tree"):
+    """A trace with drafts (in chains or trees) and a tree case run once per rollback strategy (their goldens hold for
+    both), named <case>@<strategy>; every other case runs once."""
+    drafts = {"speculative", "trace:tree"} & set(meta["features"])
+    if not (meta["kind"] == "trace" and drafts or meta["kind"] == "tree"):
         return [meta]
     return [{**meta, "name": f"{meta['name']}@{strategy}", "features": [*meta["features"], f"rollback:{strategy}"],
              "attrs": {**meta["attrs"], "rollback": strategy}} for strategy in R.ROLLBACK_STRATEGIES]

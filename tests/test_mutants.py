@@ -1,5 +1,6 @@
-"""The suite proves its power (conformance/make/mutants.py): the slots engine passes every case, and each realistic one-line
-bug in it makes the serving traces report an unexpected FAIL or ERROR naming a case."""
+"""The suite proves its power (conformance/make/mutants.py): the slots engine passes every case (but the traces with tree
+rows, which its slot memory does not model), and each realistic one-line bug in it makes the serving traces report an
+unexpected FAIL or ERROR naming a case."""
 
 import re
 from functools import lru_cache
@@ -15,12 +16,14 @@ from conformance.format import HERE, case_dirs, read_manifest
 BROKEN_MUTANT = ("NameError", "AttributeError", "TypeError", "UnboundLocalError", "SyntaxError")
 
 
-def test_the_slots_engine_passes_every_case(capsys):
+def test_the_slots_engine_passes_every_case_but_the_traces_with_tree_rows_which_it_skips(capsys):
     results, code = runner.run("slots")
     capsys.readouterr()
-    assert code == 0 and {r.status for r in results} == {"PASS"}
+    assert code == 0 and {r.status for r in results} == {"PASS", "SKIP"}
     assert {r.name.split("@")[0] for r in results} == {folder.name for folder in case_dirs()
                                                        if read_manifest(folder)["kind"] not in runner.STATISTICAL}
+    assert {r.name.split("@")[0] for r in results if r.status == "SKIP"} == {
+        folder.name for folder in case_dirs() if "trace:tree" in read_manifest(folder)["features"]}
     traces = {r.name for r in results if r.name.startswith("trace-") and "@" in r.name}
     assert {name.split("@")[1] for name in traces} == set(R.ROLLBACK_STRATEGIES)
 

@@ -52,7 +52,7 @@ def supplied_uniform_rounds():
             for b, batch in enumerate(trace_batches(meta["attrs"], inputs)):
                 for s, step in enumerate(batch):
                     rule = step.get("commit", {})
-                    if rule.get("accept") in ("sampling", "greedy"):
+                    if step["op"] == "verify" and rule.get("accept") in ("sampling", "greedy"):
                         prefix = f"b{b}.s{s}."
                         accepted, committed = int(expected[prefix + "accepted"][0]), expected[prefix + "committed"]
                         cut = len(committed) < accepted + 1

@@ -158,6 +158,7 @@ class Engine:
         tree, accept:tree-sampling       verify_tree, commit_tree, accept_tree
         accept:tree-draws                accept_tree_draws (the statistical pack)
         trace                            (the default run_trace drives the methods above, one step at a time)
+        trace:tree                       (tree rows in a trace: the default run_trace drives the tree methods)
         snapshot                         copy_state (or a run_trace override that keeps prefix-cache entries itself)
         mtp                              mtp_hidden, mtp_draft (export_mtp_state with state_export)
         dflash                           load_dflash, dflash_features, dflash_draft (export_dflash_state with
@@ -300,7 +301,7 @@ class Engine:
         """Release what the engine holds once the run is over (a process engine's process)."""
 
     def target(self, model, rollback):
-        """The engine as a reference.Target, which reference.speculative_round and reference.run_trace drive. A row
+        """The engine as a reference.Target, which reference.speculative_round, tree_round and run_trace drive. A row
         without drafts is a plain decoding step: decode, then the argmax or a draw with the supplied uniform."""
         def extend(state, tokens):
             tokens = np.asarray(tokens, dtype=np.int64)
@@ -322,7 +323,17 @@ class Engine:
             if sampling.temperature == 0:
                 return 0, int(np.argmax(logits[0]))
             return 0, int(self.sample(logits[:1], sampling._asdict(), uniforms[:1])[1][0])
-        return R.Target(extend, verify, commit, accept, lambda state: self.copy_state(model, state))
+
+        def verify_tree(state, tokens, parents):
+            logits, pending = self.verify_tree(model, state, np.asarray(tokens, dtype=np.int64),
+                                               np.asarray(parents, dtype=np.int64), rollback)
+            return logits, None, pending
+
+        def accept_tree(tokens, parents, q, logits, sampling, uniforms):
+            path, token = self.accept_tree(tokens, parents, q, logits, sampling._asdict(), uniforms)
+            return [int(node) for node in path], int(token)
+        return R.Target(extend, verify, commit, accept, lambda state: self.copy_state(model, state), verify_tree,
+                        lambda pending, path: self.commit_tree(model, pending, path), accept_tree)
 
     def run_trace(self, model, batches, rollback, slots):
         """A serving trace (INTERPRETING.md section 4) -> yields (batch, step, outputs) after each step, as

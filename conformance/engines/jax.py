@@ -3,9 +3,10 @@ adapter with bf16 weights and activations.
 
 Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, commit), which compile
 once per checkpoint and token count; greedy (and the benchmarks' timed_greedy) runs jax_impl.generate, its on-device
-generation loop; serving traces run through jax_impl.batch, its batched path (Jax.run_trace). Primitive and layer cases call jax_impl.model's functions with the case's weights, transposed to
-(in, out) by jax_impl.to_jax as the model stores them; the DFlash drafter through jax_impl.dflash. Every
-feature is supported.
+generation loop; serving traces run through jax_impl.batch, its batched path (Jax.run_trace; tree rows beside it
+through the single-request tree path, TreeRows). Primitive and layer cases call jax_impl.model's functions with the
+case's weights, transposed to (in, out) by jax_impl.to_jax as the model stores them; the DFlash drafter through
+jax_impl.dflash. Every feature is supported.
 """
 
 from functools import partial
@@ -294,17 +295,21 @@ class Jax(Engine):
 
     def run_trace(self, model, batches, rollback, slots):
         """The batched path: `slots` request slots (jax_impl's batch slot axis, released slots reused lowest first),
-        each batch's rows in one call of jax_impl.explicit_step (a prefill longer than its width goes on in further
-        calls of the rows left), every step's outputs read back after it. Snapshots are copies of a slot's row."""
+        each batch's prefill and verify rows in one call of jax_impl.explicit_step (a prefill longer than its width goes
+        on in further calls of the rows left), its tree rows beside it (TreeRows), every step's outputs read back after
+        it. Snapshots are copies of a slot's row."""
         cfg, params = model
         trace = TraceSlots(cfg, params, slots, rollback or "replay", max_drafts(batches))
+        trees = TreeRows(self.target(model, rollback or "replay"))
         for b, batch_steps in enumerate(batches):
             rows = {s: step for s, step in enumerate(batch_steps) if step["op"] in ("prefill", "verify")}
-            first_row = min(rows, default=len(batch_steps))
+            tree_rows = {s: step for s, step in enumerate(batch_steps) if step["op"] == "verify_tree"}
+            first_row = min({**rows, **tree_rows}, default=len(batch_steps))
             outputs = {s: trace.apply(step) for s, step in enumerate(batch_steps[:first_row])}
             outputs.update(trace.run_rows(rows))
+            outputs.update(trees.run(trace, tree_rows))
             outputs.update({s: trace.apply(step) for s, step in enumerate(batch_steps) if s > first_row
-                            and s not in rows})
+                            and s not in rows and s not in tree_rows})
             for s in sorted(outputs):
                 out = outputs[s]
                 if "state" in out:
@@ -332,6 +337,25 @@ def tree_uniforms(u, N):  # (n,): u[n-1] draws the final token -> (N,), where it
 
 def max_drafts(batches):
     return max((len(step["tokens"]) - 1 for steps in batches for step in steps if step["op"] == "verify"), default=0)
+
+
+class TreeRows:
+    """A trace batch's verify_tree rows, for now outside jax_impl's batched step (explicit_step has no tree rows yet):
+    each through the single-request tree path (Jax.verify_tree, accept_tree, commit_tree) on its slot's row, the
+    committed state written back to the slot. No row reads another row's request, so running them after the batched
+    rows gives the outputs of the trace's order."""
+
+    def __init__(self, target):
+        self.target = target                 # the engine as a reference.Target (Engine.target)
+
+    def run(self, trace, rows):
+        """verify_tree rows {step index: step} of a TraceSlots' requests -> {step index: outputs}."""
+        outputs = {}
+        for s, step in rows.items():
+            index = trace.requests[step["request"]]
+            outputs[s] = R.trace_row(self.target, jax_impl.read_slot(trace.state, index), step)
+            trace.state = jax_impl.write_slot(trace.state, index, outputs[s]["state"])
+        return outputs
 
 
 class TraceSlots:

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import reference as R
 from . import register_engine
+from ..format import HERE
 from .reference import Reference, state_tensors
 
 NONE = -1                         # no committed column: the slot's state is in its base arrays
@@ -239,7 +240,10 @@ def run_step(memory, step):
 
 @register_engine("slots")
 class Slots(Reference):
-    """The reference adapter with a serving engine's batched path for the traces."""
+    """The reference adapter with a serving engine's batched path for the traces (chain and plain rows: its slot
+    memory has no tree rows, so the traces with them are SKIP)."""
+    features = Reference.features - {"trace:tree"}
+    expectations = HERE / "expectations" / "slots.json"     # the mutants (make/mutants.py) read it too
 
     def run_trace(self, model, batches, rollback, slots):
         """Each batch: its bookkeeping steps before the rows, the rows together, the bookkeeping steps after them."""

@@ -3,8 +3,9 @@ published engine bug, with the reference's goldens after every step (INTERPRETIN
 
 A TraceBuilder writes a trace step by step. It keeps each live request's state with reference.py (in float64, as the
 generator computes everything) so that it can design the next step's inputs: drafts that the target accepts exactly
-`accept` of, with every decision clear of near-ties, uniforms that decide sampled acceptance with room to spare. The
-goldens then come from reference.run_trace over the finished script, and the builder checks that the interpreter
+`accept` of, with every decision clear of near-ties, uniforms that decide sampled acceptance with room to spare; draft
+trees as make/trees.py designs them (the greedy walk ending at a chosen node, or sampled siblings with clear uniforms).
+The goldens then come from reference.run_trace over the finished script, and the builder checks that the interpreter
 decided what the design intended.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 from .. import reference as R
 from ..format import Case, Output, trace_batches
 from . import golden as G
+from . import trees as T
 
 DRAFT_LEN = G.DRAFT_LEN           # K
 
@@ -87,7 +89,7 @@ class TraceBuilder:
         r = R.speculative_round(self.target, live.state, [live.last] + drafts, arrays.get("q"), R.sampling_of(rule),
                                 arrays.get("uniforms"), rule.get("stop", ()), keep)
         if keep is None:
-            self.intended[prefix] = accept
+            self.intended[prefix] = {"accepted": accept}
             assert r.accepted == accept, f"{self.name} {prefix}: accepted {r.accepted}, designed for {accept}"
             missed = G.undiscriminated(drafts, arrays.get("q"), r.logits, R.sampling_of(rule), arrays.get("uniforms"))
             if missed:
@@ -97,6 +99,49 @@ class TraceBuilder:
                 raise Redraw(f"{self.name} {prefix}: the new token does not repeat the row's last token")
         else:
             last = int(np.argmax(r.logits[keep - 1]))
+        self.live[request] = OpenRequest(r.state, last)
+
+    def verify_tree(self, request, parents, end=None, sampling=None, siblings="top-k", stop_at=None, path=None):
+        """One tree row and its commit. Greedy: tokens the target accepts the path to node `end` of (make/trees.py's
+        design); sampled (`sampling`): a toy drafter's tree, its `siblings` "top-k" (one-hot q) or "iid" (its full q),
+        with uniforms for which the walk goes through a second sibling, every decision clear of its edge; path: random
+        tokens, that path committed whatever the target says. stop_at=j: the j-th committed token is a stop token."""
+        live = self.live[request]
+        if path is not None:
+            tokens = [live.last] + [int(t) for t in self.rng.integers(0, self.cfg.vocab_size, len(parents) - 1)]
+            rule, arrays = {"path": path}, {}
+        elif sampling is None:
+            tokens = T.greedy_tokens(self.params, self.cfg, live.state, live.last, parents, end, ())
+            rule, arrays = {"accept": "greedy", "stop": []}, {}
+        else:
+            for _ in range(TREE_DRAWS):
+                tokens, q, p = T.sampled_tree(self.params, self.cfg, live.state, live.last, parents, siblings,
+                                              sampling, TREE_NOISE, self.rng)
+                u = T.clear_uniforms(tokens, parents, G.f32(q), p, self.rng)
+                if u is not None:
+                    break
+            else:
+                raise Redraw(f"{self.name}: no uniforms decide a {siblings} tree {parents} clearly")
+            rule = {"accept": "sampling", **G.sampling_attrs(sampling), "stop": []}
+            arrays = {"q": G.f32(q), "uniforms": u}
+        prefix = self.step({"op": "verify_tree", "request": request, "tokens": tokens, "parents": list(parents),
+                            "commit": rule})
+        self.inputs.update({prefix + name: value for name, value in arrays.items()})
+        def run():
+            return R.tree_round(self.target, live.state, tokens, parents, arrays.get("q"), R.sampling_of(rule),
+                                arrays.get("uniforms"), rule.get("stop", ()), path)
+        r = run()
+        if stop_at is not None:
+            if r.committed[stop_at] in r.committed[:stop_at]:
+                raise Redraw(f"{self.name}: the stop token occurs before its place")
+            rule["stop"] = [r.committed[stop_at]]
+            r = run()
+        if path is None:
+            self.intended[prefix] = {"path": r.path}
+            assert end is None or r.path[-1] == end, f"{self.name} {prefix}: accepted {r.path}, designed to end at {end}"
+            last = r.committed[-1]
+        else:
+            last = int(np.argmax(r.logits[path[-1]]))
         self.live[request] = OpenRequest(r.state, last)
 
     def snapshot(self, request, key):
@@ -148,15 +193,17 @@ class TraceBuilder:
     # ------------------------------------------------------------------------------------------------------------
     # The case
 
-    def case(self, description, spec="reference.run_trace, reference.speculative_round"):
+    def case(self, description):
         batches = [batch for batch in self.batches if batch]
+        features = trace_features(batches)
+        spec = "reference.run_trace, reference.speculative_round" + ", reference.tree_round" * ("trace:tree" in features)
         for batch in batches:
             check_grouping(self.name, batch)
         outputs = {}
         for b, s, out in R.run_trace(self.target, trace_batches({"batches": batches}, self.inputs)):
             prefix = f"b{b}.s{s}."
-            if prefix in self.intended:
-                assert out["accepted"] == self.intended[prefix], f"{self.name} {prefix}: interpreter disagrees"
+            for decision, value in self.intended.get(prefix, {}).items():
+                assert out[decision] == value, f"{self.name} {prefix}: interpreter disagrees on {decision}"
             for name, value in out.items():
                 if name == "state":
                     outputs.update({prefix + n: o for n, o in G.state_outputs(value).items()})
@@ -164,12 +211,12 @@ class TraceBuilder:
                     outputs[prefix + name] = Output("logits", value)
                 else:
                     outputs[prefix + name] = Output("decision", G.i64(np.atleast_1d(value)))
-        return Case(self.name, "trace", spec, description, trace_features(batches) +
-                    G.checkpoint_features(self.checkpoint), {"slots": self.slots, "batches": batches}, self.inputs,
-                    outputs, self.checkpoint)
+        return Case(self.name, "trace", spec, description, features + G.checkpoint_features(self.checkpoint),
+                    {"slots": self.slots, "batches": batches}, self.inputs, outputs, self.checkpoint)
 
 
-ROWS, BEFORE_ROWS, AFTER_ROWS = ("prefill", "verify"), ("snapshot", "restore", "release"), ("snapshot", "release")
+ROWS = ("prefill", "verify", "verify_tree")
+BEFORE_ROWS, AFTER_ROWS = ("snapshot", "restore", "release"), ("snapshot", "release")
 
 
 def check_grouping(name, batch):
@@ -199,6 +246,9 @@ def trace_features(batches):
     features += ["speculative"] * bool(speculative)
     features += sorted({f"accept:{s['commit']['accept']}" for s in speculative if "accept" in s["commit"]})
     features += ["snapshot"] * any(step["op"] in ("snapshot", "restore") for step in steps)
+    trees = [step for step in steps if step["op"] == "verify_tree"]
+    features += ["tree", "trace:tree"] * bool(trees)
+    features += ["accept:tree-sampling"] * any(s["commit"].get("accept") == "sampling" for s in trees)
     return tuple(features)
 
 
@@ -482,6 +532,73 @@ def greedy_rematch(t, sampling=None):
             t.verify(r, accept=a, rematch=True)
 
 
+STAR, BINARY, DEEP_NARROW = [-1, 0, 0, 0, 0], T.BINARY, T.DEEP_NARROW
+TOP_K_TREE, IID_TREE = T.SAMPLED_TREES[0][1], T.SAMPLED_TREES[1][1]     # shapes whose walk can pass a second sibling
+TREE_NOISE = 2.0    # the toy tree drafter's logits: the target's plus this much Gaussian noise (tiny-draft's are sharp)
+TREE_DRAWS = 20     # sampled trees drawn for one row before the scenario starts again: about one in three has uniforms
+                    # that walk through a second sibling with every decision clear
+UNTRUNCATED = R.Sampling(4.0, 0, 1.0)   # the iid rows': drafts drawn from the whole vocabulary mostly miss a top-k/top-p cut
+
+
+def tree_rows(t, sampling=None):
+    """Tree rows of three shapes (a star, a binary tree, a deep narrow one) in batches beside chain verify rows, plain
+    rows and prefill rows, accepting the root only, an inner node, a deepest leaf and a short branch's leaf, a stop
+    token inside an accepted path and a forced path; a prefix-cache entry written after a tree commit, restored and
+    continued; request a alternates tree and chain rounds."""
+    for r in "abc":
+        t.prefill(r, t.tokens(10 + 3 * "abc".index(r)))
+    t.end_batch()
+    t.verify_tree("a", STAR, end=0)
+    t.verify_tree("b", BINARY, end=6)
+    t.verify("c", accept=2)
+    t.prefill("d", t.tokens(9))
+    t.end_batch()
+    t.verify("a", accept=DRAFT_LEN)
+    t.verify_tree("b", DEEP_NARROW, end=2)
+    t.verify("c", k=0, accept=0)
+    t.verify_tree("d", BINARY, end=1)
+    t.snapshot("b", "after-tree")
+    t.release("c")
+    t.end_batch()
+    t.restore("e", "after-tree")
+    t.verify_tree("a", DEEP_NARROW, end=6)
+    t.verify_tree("b", BINARY, path=[0, 2, 5])
+    t.verify_tree("e", BINARY, end=4, stop_at=0)
+    t.verify("d", accept=1)
+    t.release("e")                        # finished: its first committed token is a stop token
+    t.end_batch()
+    t.verify("a", accept=1)
+    t.verify_tree("d", STAR, end=3)
+    t.verify("b", k=0, accept=0)
+    t.end_batch()
+    t.verify_tree("a", BINARY, end=5)
+
+
+def tree_rows_sampled(t, sampling):
+    """Sampled tree rows with supplied uniforms, siblings the drafter's top-k (one-hot q) or drawn from it (its full
+    q, untruncated settings), each walk through a second sibling, beside sampled chain rows, plain rows and a prefill
+    row; a prefix-cache
+    entry written after a tree commit, restored and continued with a tree; request a alternates tree and chain
+    rounds."""
+    for r in "abc":
+        t.prefill(r, t.tokens(10 + 3 * "abc".index(r)))
+    t.end_batch()
+    t.verify_tree("a", TOP_K_TREE, sampling=sampling)
+    t.verify("b", accept=2, sampling=sampling)
+    t.verify("c", k=0, accept=0, sampling=sampling)
+    t.end_batch()
+    t.verify("a", accept=1, sampling=sampling)
+    t.verify_tree("b", IID_TREE, sampling=UNTRUNCATED, siblings="iid")
+    t.prefill("d", t.tokens(8))
+    t.snapshot("b", "after-tree")
+    t.release("c")
+    t.end_batch()
+    t.restore("e", "after-tree")
+    t.verify_tree("a", IID_TREE, sampling=UNTRUNCATED, siblings="iid")
+    t.verify_tree("e", TOP_K_TREE, sampling=sampling)
+    t.verify("d", accept=3, sampling=sampling)
+
+
 PER_ROW_SETTINGS = (None, R.Sampling(4.0, 40, 0.9), R.Sampling(3.0, 0, 0.8), R.Sampling(6.0, 20, 1.0))
 
 
@@ -501,7 +618,7 @@ SCENARIOS = {f.__name__.replace("_", "-"): f for f in (
     mixed_accepts, zero_draft_after_accept, prefill_only_batch, accept_edges, stop_inside_accepted,
     snapshot_after_partial_accept, prefix_cache_on_trained_model, restore_at_chunk_boundary,
     chunked_prefill_across_chunk, release_and_reuse, same_prompt_diverge, verify_width_prompt_chunks, long_context,
-    plain_decoding, soak, ragged_drafts, greedy_rematch, per_row_settings)}
+    plain_decoding, soak, ragged_drafts, greedy_rematch, per_row_settings, tree_rows, tree_rows_sampled)}
 
 
 # Sampled traces draw at a temperature far enough from 1 that drawing at temperature 1 (a usual mistake) changes
@@ -531,6 +648,8 @@ MATRIX += [("zero-draft-after-accept", MOE, SAMPLING), ("prefix-cache-on-trained
 MIXED = "mixed"     # the scenario gives each row its own settings
 MATRIX += [("ragged-drafts", SMALL, GREEDY), ("ragged-drafts", SMALL, SAMPLING_SHARP), ("greedy-rematch", SMALL, GREEDY),
            ("greedy-rematch", DENSE, GREEDY), ("per-row-settings", SMALL, MIXED)]
+# Tree rows in the batches (suite 6), on the smallest hybrid.
+MATRIX += [("tree-rows", SMALL, GREEDY), ("tree-rows-sampled", SMALL, SAMPLING_SHARP)]
 ATTEMPTS = 200      # scenarios are redrawn (new prompts) until no decision sits near a tie
 
 
