@@ -30,6 +30,7 @@ from .model import empty_state
 from .sharding import replicated, state_shardings
 from .spec_decode import (DECODE, DONE, DRAFTER_NAMES, FREE, PAUSED, PREFILL, Features, Row, Settings, Stats,
                           commit_kept, decide, empty_drafts, request_step, target_pass)
+from .trees import chain_parents, commit_tree, per_row
 
 # the spec's
 MAX_DRAFT_LEN, Sampling, State, Tape = reference.MAX_DRAFT_LEN, reference.Sampling, reference.State, reference.Tape
@@ -209,16 +210,32 @@ class Rows(NamedTuple):
     u: jax.Array              # (B, K+1) f32 uniforms: u[i] decides draft i, u[K] draws the target's token
     sampling: Sampling        # of (B,) arrays
     stop: jax.Array           # (B, MAX_STOP_IDS) i32, -1 padded
+    tree: jax.Array = None    # (B,) bool: the row's tokens are a draft tree's nodes (verify_tree), the root first
+    parents: jax.Array = None  # (B, K+1) i32: a tree row's parents, its padding nodes children of the root
+    path: jax.Array = None    # (B, K+1) i32: a tree row's forced path, its first `keep` entries committed
+    # (tree, parents, path None: no row is a tree's, and the step compiles no tree pass)
 
 
 def explicit_step(params, cfg, state, rows, *, T, K, rollback):
-    """Every row's pass, decision and commit -> (logits (B, K+1, V): a prefill row's last at [0], accepted (B,),
-    committed tokens (B, K+1), kept positions n (B,), the new state)."""
+    """Every row's pass, decision and commit -> (logits (B, K+1, V): a prefill row's last at [0], a tree row's in
+    node order, accepted (B,), committed tokens (B, K+1), kept positions n (B,), the new state, and with tree rows
+    the accepted paths (B, K+1): a tree row's first accepted + 1 entries, its commit the first n)."""
+    trees_on = rows.tree is not None
+
     def row(state, r):
         pick = jnp.where(r.prefill, jnp.maximum(r.valid - 1, 0), jnp.arange(K + 1))
-        logits, _, after, kept, _ = target_pass(params, cfg, state, r.tokens, r.valid, pick, K, rollback)
-        accepted, _, new, n_decided, _, _ = decide(r.tokens[1:K + 1], jnp.maximum(r.valid - 1, 0), r.q, logits,
-                                                   r.sampling, r.u, r.stop, Features(True, True, True))
+        pass_parents = jnp.where(r.tree, jnp.pad(r.parents, (0, T - K - 1)), chain_parents(T)) if trees_on else None
+        as_tree = r.tree if trees_on else True
+        logits, _, after, kept, _ = target_pass(params, cfg, state, r.tokens, r.valid, pick, K, rollback, pass_parents,
+                                                (), as_tree)
+        accepted, _, new, n_decided, _, path = decide(r.tokens[1:K + 1], jnp.maximum(r.valid - 1, 0), r.q, logits,
+                                                      r.sampling, r.u, r.stop, Features(True, True, True), r.parents,
+                                                      as_tree)
         n = jnp.where(r.prefill | (r.valid == 0), r.valid, jnp.where(r.keep >= 0, r.keep, n_decided))
-        return logits, accepted, new, n, commit_kept(rollback, state, after, kept, n, K)
+        if not trees_on:
+            return logits, accepted, new, n, commit_kept(rollback, state, after, kept, n, K)
+        committed_path = jnp.where(r.keep >= 0, r.path, path)
+        state = per_row(r.tree, lambda: commit_tree(rollback, state, after, kept.tree, committed_path, jnp.maximum(n, 1)),
+                        lambda: commit_kept(rollback, state, after, kept.chain, n, K))
+        return logits, accepted, new, n, state, path
     return jax.vmap(row)(state, rows)

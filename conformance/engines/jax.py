@@ -3,8 +3,8 @@ adapter with bf16 weights and activations.
 
 Whole-model cases go through jax_impl's jit-compiled entry points (prefill, decode, verify, commit), which compile
 once per checkpoint and token count; greedy (and the benchmarks' timed_greedy) runs jax_impl.generate, its on-device
-generation loop; serving traces run through jax_impl.batch, its batched path (Jax.run_trace; tree rows beside it
-through the single-request tree path, TreeRows). Primitive and layer cases call jax_impl.model's functions with the
+generation loop; serving traces run through jax_impl.batch, its batched path (Jax.run_trace: tree rows in the same
+step as chain rows). Primitive and layer cases call jax_impl.model's functions with the
 case's weights, transposed to (in, out) by jax_impl.to_jax as the model stores them; the DFlash drafter through
 jax_impl.dflash. Every feature is supported.
 """
@@ -295,21 +295,18 @@ class Jax(Engine):
 
     def run_trace(self, model, batches, rollback, slots):
         """The batched path: `slots` request slots (jax_impl's batch slot axis, released slots reused lowest first),
-        each batch's prefill and verify rows in one call of jax_impl.explicit_step (a prefill longer than its width goes
-        on in further calls of the rows left), its tree rows beside it (TreeRows), every step's outputs read back after
-        it. Snapshots are copies of a slot's row."""
+        each batch's prefill, verify and verify_tree rows in one call of jax_impl.explicit_step (a prefill longer than
+        its width goes on in further calls of the rows left; tree rows beside chain rows), every step's outputs read
+        back after it. Snapshots are copies of a slot's row."""
         cfg, params = model
         trace = TraceSlots(cfg, params, slots, rollback or "replay", max_drafts(batches))
-        trees = TreeRows(self.target(model, rollback or "replay"))
         for b, batch_steps in enumerate(batches):
-            rows = {s: step for s, step in enumerate(batch_steps) if step["op"] in ("prefill", "verify")}
-            tree_rows = {s: step for s, step in enumerate(batch_steps) if step["op"] == "verify_tree"}
-            first_row = min({**rows, **tree_rows}, default=len(batch_steps))
+            rows = {s: step for s, step in enumerate(batch_steps) if step["op"] in ROW_OPS}
+            first_row = min(rows, default=len(batch_steps))
             outputs = {s: trace.apply(step) for s, step in enumerate(batch_steps[:first_row])}
             outputs.update(trace.run_rows(rows))
-            outputs.update(trees.run(trace, tree_rows))
             outputs.update({s: trace.apply(step) for s, step in enumerate(batch_steps) if s > first_row
-                            and s not in rows and s not in tree_rows})
+                            and s not in rows})
             for s in sorted(outputs):
                 out = outputs[s]
                 if "state" in out:
@@ -335,27 +332,12 @@ def tree_uniforms(u, N):  # (n,): u[n-1] draws the final token -> (N,), where it
     return padded
 
 
+ROW_OPS = ("prefill", "verify", "verify_tree")    # a trace's steps that are rows of a batched step
+
+
 def max_drafts(batches):
-    return max((len(step["tokens"]) - 1 for steps in batches for step in steps if step["op"] == "verify"), default=0)
-
-
-class TreeRows:
-    """A trace batch's verify_tree rows, for now outside jax_impl's batched step (explicit_step has no tree rows yet):
-    each through the single-request tree path (Jax.verify_tree, accept_tree, commit_tree) on its slot's row, the
-    committed state written back to the slot. No row reads another row's request, so running them after the batched
-    rows gives the outputs of the trace's order."""
-
-    def __init__(self, target):
-        self.target = target                 # the engine as a reference.Target (Engine.target)
-
-    def run(self, trace, rows):
-        """verify_tree rows {step index: step} of a TraceSlots' requests -> {step index: outputs}."""
-        outputs = {}
-        for s, step in rows.items():
-            index = trace.requests[step["request"]]
-            outputs[s] = R.trace_row(self.target, jax_impl.read_slot(trace.state, index), step)
-            trace.state = jax_impl.write_slot(trace.state, index, outputs[s]["state"])
-        return outputs
+    return max((len(step["tokens"]) - 1 for steps in batches for step in steps if step["op"] in ROW_OPS[1:]),
+               default=0)
 
 
 class TraceSlots:
@@ -406,7 +388,7 @@ class TraceSlots:
             inputs = self.rows_input({s: rows[s] for s in offsets}, offsets)
             run, _ = jax_impl.compiled(jax_impl.explicit_step, (1,), self.cfg, dict(T=self.T, K=self.K, rollback=self.rollback),
                               self.params, self.state, inputs)
-            logits, accepted, committed, n, self.state = run(self.params, self.state, inputs)
+            logits, accepted, committed, n, self.state, *paths = run(self.params, self.state, inputs)
             logits, accepted, committed, n = (np.asarray(x) for x in (logits, accepted, committed, n))
             for s in list(offsets):
                 step, index = rows[s], self.requests[rows[s]["request"]]
@@ -419,17 +401,20 @@ class TraceSlots:
                     continue
                 out = {"logits": host(logits[index, :len(step["tokens"])]),
                        "state": jax_impl.read_slot(self.state, index)}
-                if "keep" not in step["commit"]:
+                if "keep" not in step["commit"] and "path" not in step["commit"]:
                     tokens = committed[index, :n[index]].tolist()
-                    out.update(accepted=int(accepted[index]), committed=tokens,
-                               finished=R.finished(tokens, step["commit"].get("stop", ())))
+                    decision = ({"accepted": int(accepted[index])} if step["op"] == "verify" else
+                                {"path": np.asarray(paths[0][index, :accepted[index] + 1]).tolist()})
+                    out.update(decision, committed=tokens, finished=R.finished(tokens, step["commit"].get("stop", ())))
                 outputs[s] = out
         return outputs
 
     def rows_input(self, rows, offsets):
-        """jax_impl.Rows for the slots: each given row's tokens (a prefill's chunk at its offset), the rest idle."""
+        """jax_impl.Rows for the slots: each given row's tokens (a prefill's chunk at its offset; a tree row's nodes,
+        its parents and any forced path), the rest idle. Without tree rows the step compiles no tree pass."""
         B, T, K, V = len(self.state.length), self.T, self.K, self.cfg.vocab_size
         tokens, valid, keep = np.zeros((B, T), np.int32), np.zeros(B, np.int32), np.full(B, -1, np.int32)
+        tree, parents, path = np.zeros(B, bool), np.zeros((B, K + 1), np.int32), np.zeros((B, K + 1), np.int32)
         prefill, stop = np.zeros(B, bool), np.full((B, jax_impl.MAX_STOP_IDS), -1, np.int32)
         q, u = np.zeros((B, K, V), np.float32), np.zeros((B, K + 1), np.float32)
         temperature, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
@@ -438,11 +423,17 @@ class TraceSlots:
             tokens[i, :len(chunk)], valid[i] = chunk, len(chunk)
             prefill[i] = step["op"] == "prefill"
             rule = step.get("commit", {})
-            keep[i] = rule.get("keep", -1)
+            keep[i] = rule.get("keep", len(rule.get("path", ())) or -1)
+            if step["op"] == "verify_tree":
+                tree[i] = True
+                parents[i, :len(step["parents"])] = step["parents"]
+                path[i, :len(rule.get("path", ()))] = rule.get("path", ())
             stop[i, :len(rule.get("stop", ()))] = rule.get("stop", ())
             if rule.get("accept") == "sampling":
                 k = len(chunk) - 1
                 temperature[i], top_k[i], top_p[i] = rule["temperature"], rule["top_k"], rule["top_p"]
                 q[i, :k] = rule["q"]
                 u[i, :k], u[i, K] = rule["uniforms"][:k], rule["uniforms"][k]
-        return jax_impl.Rows(tokens, valid, prefill, keep, q, u, R.Sampling(temperature, top_k, top_p), stop)
+        with_trees = (tree, parents, path) if tree.any() else (None, None, None)
+        return jax_impl.Rows(tokens, valid, prefill, keep, q, u, R.Sampling(temperature, top_k, top_p), stop,
+                             *with_trees)
