@@ -6,7 +6,8 @@
         print(event.request, event.tokens, event.done)
     tokens, stats = server.result(ids[0])
 
-Each request has its own sampling settings, seed, drafter (none, ngram, mtp), draft length and stop ids, and gets the
+Each request has its own sampling settings, seed, drafter (none, ngram, mtp), draft length or draft tree budget
+(a step with tree rows runs them beside chain rows, each row by its own rules: docs/trees.md) and stop ids, and gets the
 tokens of its own single-request run (jax_impl.generate with the same arguments): batch.py computes each row as that
 loop does. The rollback strategy is the server's.
 

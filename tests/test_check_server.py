@@ -139,7 +139,9 @@ def post(url, body):
     ({"prompt": [1], "max_tokens": -1}, "max_tokens"), ({"prompt": [1], "n": 2}, "n: not supported"),
     ({"prompt": [1], "temperature": "hot"}, "temperature"), ({"prompt": [1], "max_tokens": 10**6}, "context"),
     ({"prompt": [1], "draft_len": 9, "draft": "ngram"}, "draft_len 9"), ({"prompt": [1], "bogus": 1}, "bogus"),
-    ({"prompt": [1], "logprobs": 2}, "logprobs: not supported")])
+    ({"prompt": [1], "logprobs": 2}, "logprobs: not supported"),
+    ({"prompt": [1], "draft": "mtp", "tree": "4:x"}, "tree '4:x': expected NODES[:DEPTH[:BRANCH]]"),
+    ({"prompt": [1], "draft": "mtp", "tree": "4:2:2"}, "steps are pinned")])   # trees need an unpinned server
 def test_bad_requests_are_4xx_with_a_message(server, body, message):
     status, answer = post(server.url, body)
     assert status == 400 and message in answer["error"]["message"]

@@ -313,7 +313,8 @@ def test_cli_results_equal_single_runs(tmp_path, capsys):
     compiled programs.)"""
     requests = [{"prompt_ids": PROMPTS[0], "max_new_tokens": 9, "draft": "ngram", "id": "a"},
                 {"prompt_ids": PROMPTS[5], "max_new_tokens": 9, "draft": "ngram"},
-                {"prompt_ids": PROMPTS[3], "max_new_tokens": 0}]
+                {"prompt_ids": PROMPTS[3], "max_new_tokens": 0},
+                {"prompt_ids": PROMPTS[1], "max_new_tokens": 9, "draft": "mtp", "tree": "4:2:2"}]
     path, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in requests))
     model_dir = str(ROOT / "weights" / CHECKPOINT)
@@ -321,8 +322,8 @@ def test_cli_results_equal_single_runs(tmp_path, capsys):
                        "--context", "48"])
     assert code == 0, capsys.readouterr().err
     results = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(results) == {"a", 2, 3}
-    for request_id, fields in zip(["a", 2, 3], requests):
+    assert set(results) == {"a", 2, 3, 4}
+    for request_id, fields in zip(["a", 2, 3, 4], requests):
         argv = ["--model", model_dir, "--json", "--prompt-ids", ",".join(map(str, fields["prompt_ids"]))]
         for name, value in fields.items():
             if name not in ("prompt_ids", "id"):
