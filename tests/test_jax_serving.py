@@ -239,10 +239,12 @@ def repeat_tree(V):
 
 def test_tree_requests_beside_chains_get_their_own_runs(monkeypatch):
     """Requests with draft trees of different budgets (Server.submit(tree=...), the HTTP and JSONL "tree") in the
-    same steps as chain, plain and prefilling rows (a long prompt admitted while the tree rows decode), greedy and
-    sampled, per-position rollback: each gets the tokens and acceptance counts of its own jax_impl.generate run
-    (whose tree rounds test_jax_trees holds to the reference). Trees are accepted in part: the drafter is right at
-    every second node while the model repeats itself."""
+    same steps as chain, plain and prefilling rows (a 29-token prompt prefilled in chunks while the others decode),
+    greedy and sampled, per-position rollback: each gets the tokens and acceptance counts of its own
+    jax_impl.generate run (whose tree rounds test_jax_trees holds to the reference), and each slot ends with the
+    state of its request's committed tokens (tiny-odd mostly repeats its last token whatever its state: the tokens
+    alone would not show a wrong state). Trees are accepted in part: the drafter is right at every second node
+    while the model repeats itself."""
     from jax_impl import spec_decode
     cfg, params = model()
     monkeypatch.setitem(spec_decode.TREE_DRAFTERS, "ngram", repeat_tree(cfg.vocab_size))
@@ -253,17 +255,18 @@ def test_tree_requests_beside_chains_get_their_own_runs(monkeypatch):
                 dict(prompt=PROMPTS[1], max_new_tokens=9, draft="ngram", draft_len=4),
                 dict(prompt=PROMPTS[5] + PROMPTS[0], max_new_tokens=9),     # 29 tokens: prefilled beside trees
                 dict(prompt=PROMPTS[2], max_new_tokens=12, draft="mtp", tree=reference.TreeBudget(3, 3, 1))]
-    server = Server(params, cfg, 4, context=48, rollback="per-position", steps_per_sync=3)
-    results = server.generate(requests)
+    server = Server(params, cfg, len(requests), context=48, rollback="per-position", steps_per_sync=3)
+    results = server.generate(requests)      # a slot each: every request's last state stays in its slot
     accepted = {}
-    for r, (tokens, stats) in zip(requests, results):
+    for index, (r, (tokens, stats)) in enumerate(zip(requests, results)):
         tree = reference.parse_tree_budget(r["tree"]) if isinstance(r.get("tree"), str) else r.get("tree")
         want, want_stats = jax_impl.generate(params, cfg, r["prompt"], r["max_new_tokens"], r.get("sampling", greedy),
                                              r.get("seed", 0), r.get("draft", "none"), r.get("draft_len", 4),
                                              tree=tree)
         assert tokens == want and {k: stats[k] for k in SPEC_KEYS if k in want_stats} == {
             k: want_stats[k] for k in SPEC_KEYS if k in want_stats}, r
-        accepted[len(accepted)] = (stats.get("accepted"), stats.get("proposed"))
+        accepted[index] = (stats.get("accepted"), stats.get("proposed"))
+        assert state_error(batch.read_slot(server.slots.state, index), r["prompt"] + tokens[:-1]) < STATE_BOUND, r
     assert 0 < accepted[0][0] < accepted[0][1] and 0 < accepted[1][0] < accepted[1][1]   # trees accepted in part
     with pytest.raises(reference.UserError, match="pinned"):
         Server(params, cfg, 4, **PINNED).submit(PROMPTS[0], 4, draft="ngram", tree="4")
