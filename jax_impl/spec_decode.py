@@ -433,7 +433,7 @@ def top_k_tree(depth_logits, budget, room):  # (D, V) logits at depths 1..D of a
             jnp.pad(jnp.concatenate([jnp.full(1, -1, i32), parents]), (0, pad)), 1 + real.sum())
 
 
-def mtp_tree_propose(params, cfg, draft_state, buf, ntok, budget, room):
+def mtp_tree_propose(params, cfg, draft_state, buf, ntok, budget, own, room):
     """reference.mtp_tree_drafter: the head chains DEPTH times on its argmax (mtp_chain, from the state its update
     left), and its logits at each depth make the tree (top_k_tree)."""
     def pick(h, key):
@@ -443,7 +443,9 @@ def mtp_tree_propose(params, cfg, draft_state, buf, ntok, budget, room):
     return top_k_tree(depth_logits, budget, room)
 
 
-TREE_DRAFTERS = {"mtp": mtp_tree_propose}      # --draft NAME with a tree budget (the state: DRAFTERS[NAME]'s)
+TREE_DRAFTERS = {"ngram": lambda params, cfg, draft_state, buf, ntok, budget, own, room:
+                 trees.ngram_tree(buf, ntok, budget, own, room),
+                 "mtp": mtp_tree_propose}      # --draft NAME with a tree budget (the state: DRAFTERS[NAME]'s)
 
 # name (a --draft spec's part before ":") -> DeviceDrafter: the drafters jax_impl runs on device
 DRAFTERS = {"ngram": NGRAM, "mtp": MTP, "mtp-shortlist": MTP_SHORTLIST, "partial-mlp": PARTIAL_MLP,
@@ -580,7 +582,7 @@ def propose_tree(params, cfg, row, settings, budget, drafters):
     K, room = budget.nodes, settings.limit - (row.ntok - settings.prompt_len) - 1
     tokens, parents, m = jnp.zeros(K + 1, i32), jnp.pad(jnp.full(1, -1, i32), (0, K)), jnp.int32(1)
     for name in drafters:
-        theirs = TREE_DRAFTERS[name](params, cfg, row.drafts.get(name), row.buf, row.ntok, budget, room)
+        theirs = TREE_DRAFTERS[name](params, cfg, row.drafts.get(name), row.buf, row.ntok, budget, budget, room)
         use = drafts_with(settings, name)
         tokens, parents, m = (select(use, new, old) for new, old in zip(theirs, (tokens, parents, m)))
     return tokens[1:], parents, jax.nn.one_hot(tokens[1:], cfg.vocab_size, dtype=f32), m - 1

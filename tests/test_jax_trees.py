@@ -52,7 +52,7 @@ def oracle_tree(truth, V):
     """A tree drafter that knows the greedy continuation `truth` (the whole sequence): at each depth a wrong token
     first, then the right one, whose node the next depth's two hang off. The accepted path is then every second
     node (2, 4, 6): a node whose packed previous row is its wrong sibling."""
-    def propose(params, cfg, draft_state, buf, ntok, budget, room):
+    def propose(params, cfg, draft_state, buf, ntok, budget, own, room):
         right = jax.lax.dynamic_slice_in_dim(truth, ntok, budget.depth)
         wrong = (right + 1) % V
         tokens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.stack([wrong, right], axis=1).reshape(-1)])
