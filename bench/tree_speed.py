@@ -11,9 +11,9 @@ checked equal to plain decoding's. Drafters: the MTP head (chain: its argmax cha
 continuations' trie, --draft ngram --tree) on both models (the 30M checkpoint is random: its MTP head drafts nothing
 useful). Speedup = plain decode CPU seconds / speculative decode CPU seconds (each run's CPU time less the prefill's:
 on the shared 2 cores wall times of one run vary 2-4x, CPU times ~10-20%; the least of 2 runs). Writes tree_speed.json and tree_speed.png
-(matplotlib) to --out. --jax adds jax_impl's column for the MTP rows (jax_impl drafts trees with the MTP head only):
-its tokens per call and its speedup over its own plain decoding (jax_impl.generate's decode seconds, compile apart,
-the least of 2 runs), its tokens checked equal to plain decoding's too.
+(matplotlib) to --out. --jax adds jax_impl's column for every row (its chains and both tree drafters run on
+device): its tokens per call and its speedup over its own plain decoding (jax_impl.generate's decode seconds, compile
+apart, the least of 2 runs), its tokens checked equal to plain decoding's too.
 
 The cost model's view (bench/costmodel.py tree_speedup): predicted speedup = tokens per call x decode seconds /
 (draft + verify over NODES + 1 tokens + commit), with the tokens per call measured here. Verifying a tree costs what
@@ -105,21 +105,19 @@ def jax_decode_seconds(generate):
 
 
 def jax_columns(folder, cfg, prompt, new_tokens, rows):
-    """jax_impl's tokens per call and speedup for the MTP rows (chain: draft_len = NODES; tree: tree=budget)."""
+    """jax_impl's tokens per call and speedup for every row (chain: draft_len = NODES; tree: tree=budget)."""
     import jax_impl
     _, params = jax_impl.load(folder)
     plain, _, plain_s = jax_decode_seconds(lambda: jax_impl.generate(params, cfg, prompt, new_tokens))
     for row in rows:
-        if row["drafter"] != "mtp":
-            continue
         tree = None if row["kind"] == "chain" else R.TreeBudget(row["nodes"], row["depth"], row["branch"])
         tokens, stats, seconds = jax_decode_seconds(lambda: jax_impl.generate(
-            params, cfg, prompt, new_tokens, draft="mtp", draft_len=row["nodes"], tree=tree))
+            params, cfg, prompt, new_tokens, draft=row["drafter"], draft_len=row["nodes"], tree=tree))
         row.update(jax_tokens_per_call=stats["tokens_per_call"], jax_speedup=plain_s / seconds,
                    jax_exact=tokens == plain)
         shape = f"chain K={row['nodes']}" if tree is None else f"tree {tree.nodes}:{tree.depth}:{tree.branch}"
-        print(f"  jax_impl mtp {shape:<18}{row['jax_tokens_per_call']:>10.2f}{row['jax_speedup']:>8.2f}x  "
-              f"{row['jax_exact']}", flush=True)
+        print(f"  jax_impl {row['drafter']:<6}{shape:<18}{row['jax_tokens_per_call']:>10.2f}"
+              f"{row['jax_speedup']:>8.2f}x  {row['jax_exact']}", flush=True)
 
 
 def pass_costs(params, cfg, prompt, budgets):
@@ -164,7 +162,7 @@ def bench_model(name, new_tokens, budgets, with_jax=False):
                 shape = f"chain K={nodes}" if kind == "chain" else f"tree {budget.nodes}:{budget.depth}:{budget.branch}"
                 print(f"  {drafter:<8}{shape:<18}{nodes:>6}{row['tokens_per_call']:>10.2f}{row['speedup']:>8.2f}x  "
                       f"{str(row['exact']):<5}  {', '.join(f'{r:.2f}' for r in depths[:8])}", flush=True)
-    if with_jax and "mtp" in drafters:
+    if with_jax:
         jax_columns(folder, cfg, prompt, new_tokens, rows)
     return rows, cfg, costs
 
@@ -253,7 +251,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budgets", nargs="+", type=int, default=[4, 8, 16])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "_out")
-    ap.add_argument("--jax", action="store_true", help="add jax_impl's column for the MTP rows")
+    ap.add_argument("--jax", action="store_true", help="add jax_impl's column for every row")
     args = ap.parse_args()
     rows, cfgs, costs = [], {}, {}
     for name in args.models:

@@ -6,8 +6,9 @@ flags, JSON, summary and one-line errors), plus
     --coordinator HOST:PORT --num-processes N --process-id I   join a multi-host run (jax.distributed)
 The whole generate loop runs on device, so text comes out at the end, not streamed. --draft takes none, ngram, mtp,
 partial-mlp:F[:LAYERS], mtp-shortlist:PATH, dflash:DIR or dflash-sampled:DIR (skip:N, model:DIR and the other
-self-speculative drafters are reference.py only: exit 2); --tree NODES[:DEPTH[:BRANCH]] with --draft mtp (trees of
-the MTP head's top-k; n-gram trees are reference.py's). Compile time is reported apart from run time.
+self-speculative drafters are reference.py only: exit 2); --tree NODES[:DEPTH[:BRANCH]] with --draft ngram (the
+context's continuations as a trie; no --ngram-table) or --draft mtp (the MTP head's top-k). Compile time is reported
+apart from run time.
 """
 
 import contextlib
@@ -40,7 +41,7 @@ def add_flags(parser):
     ours.add_argument("--coordinator", help="multi-host: address of process 0, HOST:PORT")
     ours.add_argument("--num-processes", type=int)
     ours.add_argument("--process-id", type=int)
-    reference.add_tree_flag(ours, "mtp")
+    reference.add_tree_flag(ours)
 
 
 def load_on_devices(args):
@@ -61,8 +62,8 @@ def generate_on_device(params, cfg, prompt, args, on_tokens):
     sampling = reference.Sampling(args.temperature, args.top_k, args.top_p)
     tree = reference.parse_tree_budget(args.tree) if args.tree else None
     if tree is not None and (args.draft not in TREE_DRAFTERS or table):
-        raise reference.UserError("--tree drafts with the MTP head's top-k in jax_impl: give it with --draft mtp "
-                                  "(n-gram trees run in reference.py)")
+        raise reference.UserError("--tree drafts with the context n-gram lookup or the MTP head's top-k in jax_impl: "
+                                  "give it with --draft ngram (no table) or --draft mtp")
     tokens, stats = generate(params, cfg, prompt, args.max_new_tokens, sampling, args.seed, args.draft,
                              args.draft_len, args.rollback, args.mesh, table, tree)
     on_tokens(tokens)

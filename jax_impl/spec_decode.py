@@ -448,7 +448,9 @@ def mtp_tree_propose(params, cfg, draft_state, buf, ntok, budget, own, room):
     return top_k_tree(depth_logits, budget, own, room)
 
 
-TREE_DRAFTERS = {"mtp": mtp_tree_propose}      # --draft NAME with a tree budget (the state: DRAFTERS[NAME]'s)
+TREE_DRAFTERS = {"ngram": lambda params, cfg, draft_state, buf, ntok, budget, own, room:
+                 trees.ngram_tree(buf, ntok, budget, own, room),
+                 "mtp": mtp_tree_propose}      # --draft NAME with a tree budget (the state: DRAFTERS[NAME]'s)
 
 # name (a --draft spec's part before ":") -> DeviceDrafter: the drafters jax_impl runs on device
 DRAFTERS = {"ngram": NGRAM, "mtp": MTP, "mtp-shortlist": MTP_SHORTLIST, "partial-mlp": PARTIAL_MLP,

@@ -13,13 +13,14 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from . import reference
 from .rollback import conv_window, replay
 
 AttnState, DeltaState, KeptStates, State, Tape = (reference.AttnState, reference.DeltaState, reference.KeptStates,
                                                   reference.State, reference.Tape)  # the spec's types
-f32 = jnp.float32
+f32, i32 = jnp.float32, jnp.int32
 
 
 class Tree(NamedTuple):
@@ -119,3 +120,75 @@ def commit_tree(strategy, before, after, kept, path, n):
         else:
             layers.append(TREE_STRATEGIES[strategy].commit(b, k, path, n))
     return State(tuple(layers), before.length + n)
+
+
+# The n-gram tree drafter (reference.ngram_tree) without its sequential insertions. Its trie holds prefixes of the
+# continuations, each created at its first appearance (occurrences latest first, then by depth) unless refused,
+# and a refusal is final: a full node stays full, a full tree stays full. So a prefix is a node iff its parent is
+# one and it is among the parent's first BRANCH children by first appearance, and the tree is the first NODES such
+# prefixes in creation order. Continuations sorted lexicographically put each prefix's occurrences in one run.
+
+def longest_suffix_match(buf, ntok, max_ngram):  # -> starts (L,) bool, n: the occurrences of the longest suffix
+    """The earlier occurrences (each followed by a token) of the longest suffix of buf[:ntok], <= max_ngram tokens,
+    that has any (reference.ngram_tree's n); none: no start and n = 0."""
+    positions = jnp.arange(len(buf))
+    starts, n = jnp.zeros(len(buf), bool), jnp.int32(0)
+    for size in range(1, max_ngram + 1):                                 # the longest with a match wins
+        suffix = lax.dynamic_slice_in_dim(buf, jnp.maximum(ntok - size, 0), size)
+        match = positions <= ntok - size - 1
+        for j in range(size):
+            match &= jnp.roll(buf, -j) == suffix[j]
+        starts, n = jnp.where(match.any(), match, starts), jnp.where(match.any(), size, n)
+    return starts, n
+
+
+def ngram_tree(buf, ntok, budget, own, room, max_ngram=3):
+    """reference.ngram_tree(buf[:ntok], own with its depth cut to `room`) on device, padded to budget.nodes + 1
+    nodes -> tokens (N,) (the root buf[ntok-1]), parents (N,), real nodes m (the root included). budget: static
+    TreeBudget (the shapes), own: its fields traced, each <= budget's."""
+    L, D, N = len(buf), budget.depth, budget.nodes + 1
+    starts, n = longest_suffix_match(buf, ntok, max_ngram)
+    positions = jnp.arange(L)
+    follows = positions + n                                              # (L,) where each continuation starts
+    lengths = jnp.where(starts, jnp.clip(jnp.minimum(jnp.minimum(own.depth, room), ntok - follows), 0, D), 0)
+    levels = jnp.arange(D)
+    cont = jnp.where(levels < lengths[:, None], buf[jnp.clip(follows[:, None] + levels, 0, L - 1)], -1)  # (L, D)
+
+    # sorted lexicographically (-1 past a continuation's end), the occurrences of a prefix of length d are a run
+    *columns, pos, lengths = lax.sort((*cont.T, positions, lengths), num_keys=D)
+    cont = jnp.stack(columns, axis=1)                                    # (L, D) in sorted order
+    same = (cont[1:] == cont[:-1]) & (levels < jnp.minimum(lengths[1:], lengths[:-1])[:, None])
+    common = jnp.concatenate([jnp.zeros(1, i32), jnp.cumprod(same, axis=1).sum(axis=1)])   # (L,) with the previous
+    depths = jnp.arange(D + 1)[:, None]                                  # prefix length d = 0 .. D (0: the root)
+    run = jnp.cumsum((positions == 0) | (common < depths), axis=1) - 1   # (D+1, L) run index of the d-prefix
+    member = lengths >= depths                                           # (D+1, L) has a prefix of length d
+    flat_run = (run + depths * L).reshape(-1)                            # runs of different depths apart
+    first = jax.ops.segment_max(jnp.where(member, pos, -1).reshape(-1), flat_run, (D + 1) * L)[flat_run]
+    first = first.reshape(D + 1, L)                                      # the prefix's latest occurrence
+    head = member & (pos == first)                                       # (D+1, L) one entry per prefix
+
+    # a prefix is kept if its parent is and it is among the parent's first own.branch children (the runs of length d
+    # inside its parent's run, by first appearance): the latest first appearances, one child a parent per pass
+    parent_run = (run[:-1] + depths[:-1] * L).reshape(-1)                # (D L,) depths 1..D: the parent's run
+    heads, latest = head[1:].reshape(-1), first[1:].reshape(-1)
+    rank, taken = jnp.full(D * L, budget.branch), jnp.zeros(D * L, bool)
+    for child in range(budget.branch):
+        best = jax.ops.segment_max(jnp.where(heads & ~taken, latest, -1), parent_run, D * L)[parent_run]
+        now = heads & ~taken & (latest == best)
+        rank, taken = jnp.where(now, child, rank), taken | now
+    flat_run = flat_run[L:] - L                                          # the prefix's own run, depths 1..D
+    rank = jax.ops.segment_min(jnp.where(heads, rank, budget.branch), flat_run, D * L)[flat_run].reshape(D, L)
+    kept = head[1:] & jnp.cumprod(member[1:] & (rank < own.branch), axis=0).astype(bool)   # (D, L) and its ancestors
+
+    # creation order: latest first appearance first, then the shallower. A prefix's head is the entry of its latest
+    # occurrence, so an occurrence's new prefixes are one entry's kept heads, consecutive from the shallowest.
+    new_nodes = jnp.zeros(L, i32).at[pos].set(kept.sum(axis=0))         # (L,) by position
+    before = (jnp.cumsum(new_nodes[::-1]) - new_nodes[::-1])[::-1]       # created at later positions
+    node = 1 + before[pos] + jnp.cumsum(kept, axis=0) - 1                # (D, L) a kept head's node
+    real = kept & (node <= own.nodes)
+    entry_of = jnp.zeros(L, i32).at[pos].set(positions)                  # position -> its sorted entry
+    parent_node = jnp.concatenate([jnp.zeros((1, L), i32), node[:-1][levels[:-1, None], entry_of[first[1:-1]]]])
+    at = jnp.where(real, node, N).reshape(-1)                            # N: dropped
+    tokens = jnp.zeros(N, i32).at[at].set(cont.T.reshape(-1), mode="drop").at[0].set(buf[ntok - 1])
+    parents = jnp.zeros(N, i32).at[at].set(parent_node.reshape(-1), mode="drop").at[0].set(-1)
+    return tokens, parents, 1 + real.sum()
