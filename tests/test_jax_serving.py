@@ -11,7 +11,6 @@ strategy compiles one step program, shared by all examples."""
 import functools
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -218,37 +217,15 @@ def test_dflash_requests_get_their_own_runs():
                dflash=str(drafter)).submit(fib, 4, draft="dflash")
 
 
-def repeat_tree(V):
-    """A tree drafter (spec_decode.TREE_DRAFTERS' signature) for a model that repeats its last token, as tiny-odd
-    mostly does: at each depth a wrong token first, then the last token again, whose node the next depth's two hang
-    off; within the request's own budget (own, traced in a batch), padded to the step's. So the accepted path runs
-    down second siblings while the model repeats itself, and stops where it does not."""
-    def propose(params, cfg, draft_state, buf, ntok, budget, own, room):
-        last, D = buf[ntok - 1], min(budget.depth, budget.nodes // 2)                  # D: the levels that fit
-        depth = jnp.arange(D)
-        levels = jnp.minimum(jnp.minimum(room, own.depth), own.nodes // 2)            # drafted depths
-        tokens = jnp.stack([jnp.full(D, (last + 1) % V), jnp.full(D, last)], axis=1)
-        parents = jnp.stack([2 * depth, 2 * depth], axis=1)                            # the right node above
-        real = jnp.repeat(depth < levels, 2)
-        pad = budget.nodes - 2 * D
-        return (jnp.pad(jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.where(real, tokens.reshape(-1), 0)]), (0, pad)),
-                jnp.pad(jnp.concatenate([jnp.full(1, -1, jnp.int32), jnp.where(real, parents.reshape(-1), 0)]),
-                        (0, pad)), 1 + 2 * levels)
-    return propose
-
-
-def test_tree_requests_beside_chains_get_their_own_runs(monkeypatch):
+def test_tree_requests_beside_chains_get_their_own_runs():
     """Requests with draft trees of different budgets (Server.submit(tree=...), the HTTP and JSONL "tree") in the
     same steps as chain, plain and prefilling rows (a 29-token prompt prefilled in chunks while the others decode),
     greedy and sampled, per-position rollback: each gets the tokens and acceptance counts of its own
     jax_impl.generate run (whose tree rounds test_jax_trees holds to the reference), and each slot ends with the
     state of its request's committed tokens (tiny-odd mostly repeats its last token whatever its state: the tokens
-    alone would not show a wrong state). Trees are accepted in part: the drafter is right at every second node
-    while the model repeats itself."""
-    from jax_impl import spec_decode
+    alone would not show a wrong state). The n-gram trees (spec_decode.TREE_DRAFTERS, each within its own budget
+    inside the step's) are accepted in part."""
     cfg, params = model()
-    monkeypatch.setitem(spec_decode.TREE_DRAFTERS, "ngram", repeat_tree(cfg.vocab_size))
-    monkeypatch.setattr(spec_decode, "_compiled", {})                 # this drafter's programs, compiled apart
     greedy, sampled = reference.Sampling(), reference.Sampling(0.9, 40, 0.95)
     requests = [dict(prompt=PROMPTS[0], max_new_tokens=17, draft="ngram", tree=reference.TreeBudget(6, 3, 2)),
                 dict(prompt=PROMPTS[3], max_new_tokens=12, draft="ngram", tree="4:2:2", sampling=sampled, seed=3),
