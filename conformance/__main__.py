@@ -72,6 +72,8 @@ def parse_args(argv):
                        "margin, tolerances.json \"server\")")
     check.add_argument("--draft", help="jax_impl dialect: every request's drafter (none, ngram, mtp; default: each "
                        "scenario request's own)")
+    check.add_argument("--tree", metavar="N[:D[:B]]", help="jax_impl dialect: a draft tree budget for every request "
+                       "that drafts with ngram or mtp (its server verifies trees; an unpinned one)")
     check.add_argument("--served-model-name", help="the \"model\" field sent (default: the checkpoint folder's name)")
     check.add_argument("--context", type=int, help="the server's context limit, where it is below the checkpoint's "
                        "max_position_embeddings (\"context\" scenario lengths fill it)")
@@ -175,7 +177,7 @@ def main(argv=None):
             try:
                 return check_server(args.url, args.model, args.scenarios, args.concurrency, args.report,
                                     args.dialect, args.precision, args.draft, args.served_model_name, args.timeout,
-                                    context=args.context)[1]
+                                    context=args.context, tree=args.tree)[1]
             except ServerError as e:
                 raise R.UserError(str(e)) from None
         if args.command == "list":

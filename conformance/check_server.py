@@ -1,7 +1,7 @@
 """check-server: a running server, from outside, held to the spec (INTERPRETING.md, "Checking a running server").
 
     qwen35-conformance check-server --url http://HOST:PORT --model DIR [--scenarios REGEX] [--concurrency N]
-        [--report out.json] [--dialect jax_impl] [--precision float32] [--draft DRAFTER]
+        [--report out.json] [--dialect jax_impl] [--precision float32] [--draft DRAFTER] [--tree N[:D[:B]]]
 
 Each scenario (server_scenarios.json) is a set of requests sent concurrently, some at given times, some after
 others finish, some cancelled mid-stream. The server answers with token ids (server_dialects.py). Then every request
@@ -104,10 +104,11 @@ def load_scenarios(path=SCENARIOS):
     return data["scenarios"]
 
 
-def expand(scenario, spec_model, context, draft, text_prompts=None):
+def expand(scenario, spec_model, context, draft, text_prompts=None, tree=None):
     """A scenario's requests, each repeated `count` times (a part with "vary": its seed moved by the copy's index)
     -> [(request dict, ServerRequest)]. With `text_prompts` (TextPrompts) the prompts are drawn from its alphabet and
-    carry their text and the stop ids' texts."""
+    carry their text and the stop ids' texts. tree: a draft tree budget for every request whose drafter drafts trees
+    (reference.TREE_DRAFTERS)."""
     cfg, out = spec_model.cfg, []
     alphabet = text_prompts.alphabet if text_prompts else None
     for spec in scenario["requests"]:
@@ -125,7 +126,8 @@ def expand(scenario, spec_model, context, draft, text_prompts=None):
             out.append((spec, ServerRequest(prompt, max_tokens, spec.get("temperature", 0.0), spec.get("top_k", 0),
                                             spec.get("top_p", 1.0), spec.get("seed", 0) + copy, stop,
                                             spec.get("ignore_eos", False), spec.get("stream", False), drafter,
-                                            spec.get("draft_len"), cache_prompt=spec.get("cache_prompt"), **text)))
+                                            spec.get("draft_len"), tree if drafter in R.TREE_DRAFTERS else None,
+                                            cache_prompt=spec.get("cache_prompt"), **text)))
     return out
 
 
@@ -315,10 +317,15 @@ def check_answer(spec, scenario, index, r, answer, dialect, margin, logprob_atol
 
 def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=None, dialect="jax_impl",
                  precision="float32", draft=None, model_name=None, timeout=600.0, scenarios_path=SCENARIOS,
-                 workers=2, context=None, log=print):
-    """Run the scenarios against the server at `url` -> (results, exit code: 0 all pass, 1 failures)."""
+                 workers=2, context=None, log=print, tree=None):
+    """Run the scenarios against the server at `url` -> (results, exit code: 0 all pass, 1 failures). tree: the jax_impl
+    dialect's draft tree budget for every request that drafts with ngram or mtp."""
     if dialect not in DIALECTS:
         raise R.UserError(f"--dialect {dialect}: expected one of {', '.join(DIALECTS)}")
+    if tree is not None:
+        R.parse_tree_budget(tree, "--tree")
+        if dialect != "jax_impl":
+            raise R.UserError(f"--tree: the {dialect} dialect takes no draft tree per request (jax_impl's does)")
     if precision not in RULES["greedy_margin"]:
         raise R.UserError(f"--precision {precision}: expected one of {', '.join(RULES['greedy_margin'])}")
     if not 1 <= concurrency <= 1024:
@@ -338,7 +345,7 @@ def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=No
     results = []
     with ThreadPoolExecutor(max_workers=workers) as checkers:
         for scenario in chosen:
-            requests = expand(scenario, spec, context, draft, text_prompts)
+            requests = expand(scenario, spec, context, draft, text_prompts, tree)
             start = time.monotonic()
             answers = send_scenario(url, d, model_name, requests, concurrency, timeout, tokenizer)
             if all(a.error and a.error.startswith(("ConnectionRefusedError", "TimeoutError")) for a in answers):
@@ -355,7 +362,7 @@ def check_server(url, model_dir, scenarios_regex=None, concurrency=64, report=No
             results[-1].update(status="FAIL" if failures else "PASS", failures=failures)
             log(line_of(results[-1]))
     summary = {"url": url, "model": str(model_dir), "dialect": dialect, "precision": precision, "draft": draft,
-               "margin": margin, "passed": all(r["status"] == "PASS" for r in results), "scenarios": results}
+               "tree": tree, "margin": margin, "passed": all(r["status"] == "PASS" for r in results), "scenarios": results}
     if report:
         Path(report).write_text(json.dumps(summary, indent=1) + "\n")
     log(f"{sum(r['status'] == 'PASS' for r in results)}/{len(results)} scenarios pass")

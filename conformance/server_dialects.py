@@ -24,6 +24,7 @@ class ServerRequest(NamedTuple):
     stream: bool = False
     draft: str = None             # jax_impl's per-request drafter (none, ngram, mtp); others set it server-side
     draft_len: int = None
+    tree: str = None              # jax_impl's per-request draft tree budget, "NODES[:DEPTH[:BRANCH]]" (ngram, mtp)
     prompt_text: str = None       # the prompt as text, for a dialect whose API takes no ids (prompt_ids False)
     stop_texts: tuple = ()        # the stop ids a text-only API can take: each id's text, which encodes to it alone
     cache_prompt: bool = None     # whether the prompt leaves a prefix-cache entry (None: the server's default)
@@ -78,6 +79,8 @@ class JaxImpl(Dialect):
             body["draft"] = r.draft
         if r.draft_len is not None:
             body["draft_len"] = r.draft_len
+        if r.tree is not None:
+            body["tree"] = r.tree
         if r.cache_prompt is not None:
             body["cache_prompt"] = r.cache_prompt
         return body

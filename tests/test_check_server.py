@@ -100,6 +100,31 @@ def test_drafting_scenarios_pass_with_each_drafter(server, tmp_path, draft):
     assert (code, failing(summary)) == (0, {})
 
 
+@pytest.fixture(scope="module")
+def unpinned_server(cache_dir):
+    """A server that compiles its steps per shape: the one kind that verifies draft trees."""
+    served = Served(cache_dir, flags=["--slots", "16", "--cache-bytes", "3000000"])
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize("draft", ["ngram", "mtp"])
+def test_drafting_scenarios_pass_with_draft_trees(unpinned_server, tmp_path, draft):
+    """check-server --tree: every drafting request carries a tree budget, and the server's tree rows (beside its
+    chain, plain and prefilling rows) give the spec's tokens under concurrent load."""
+    summary, code = check(unpinned_server.url, tmp_path, draft=draft, tree="4:2:2", scenarios_regex=DRAFT_SCENARIOS)
+    assert (code, failing(summary)) == (0, {}) and summary["tree"] == "4:2:2"
+
+
+def test_tree_budgets_reach_the_server(server, tmp_path):
+    """The pinned server refuses tree requests: so check-server --tree sends the budget (a dialect that dropped it
+    would pass here)."""
+    summary, code = check(server.url, tmp_path, draft="ngram", tree="4", scenarios_regex="^stop-ids$")
+    assert code == 1 and "steps are pinned" in json.dumps(failing(summary))
+
+
 def test_generations_run_to_1000_tokens(cache_dir, tmp_path):
     """long-generations at its full 1,000 tokens, which tiny-mtp's context (512) cuts to 496: on tiny-dense (context
     2,048, no MTP head), its MTP request drafted with n-gram instead (so: one plain request, two n-gram ones, the
@@ -180,7 +205,8 @@ def test_the_http_server_imports_no_module_a_bug_mutates():
 @pytest.mark.parametrize("argv, message", [
     (["--dialect", "nope"], "--dialect nope: expected one of"), (["--scenarios", "("], "not a regular expression"),
     (["--scenarios", "^nothing$"], "no scenario matches"), (["--concurrency", "0"], "--concurrency 0"),
-    (["--precision", "fp8"], "--precision fp8")])
+    (["--precision", "fp8"], "--precision fp8"), (["--tree", "4:0"], "--tree '4:0': depth must be in"),
+    (["--tree", "4", "--dialect", "vllm"], "--tree: the vllm dialect takes no draft tree")])
 def test_check_server_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
     from conformance.__main__ import main
     assert main(["check-server", "--url", "http://127.0.0.1:9", "--model", str(MODEL), *argv]) == 2
