@@ -11,6 +11,7 @@ Randomness is jax.random: the same distributions as the reference, not its numpy
 """
 
 import time
+from collections import OrderedDict
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -853,7 +854,12 @@ def round_draft_len(draft, draft_len, limit):
     return min(draft_len, max(limit - 1, 0)) if draft != "none" else 0
 
 
-_compiled = {}
+# compiled programs by key, least recently used first. Bounded: each executable keeps its code mapped, and an unpinned
+# server meets a program per step shape (T, K, features, tree budget); unbounded, a long run of varied requests took
+# the process past the kernel's limit of memory maps (vm.max_map_count, 65,530: LLVM "Cannot allocate memory", then a
+# segfault) within minutes. An evicted program is compiled again when its shape comes back.
+MAX_COMPILED = 64
+_compiled = OrderedDict()
 
 
 def aval_key(x):
@@ -871,6 +877,9 @@ def compiled(fn, donate, cfg, statics, *args):
     if fresh:
         jitted = jax.jit(lambda params, *rest: fn(params, cfg, *rest, **statics), donate_argnums=donate)
         _compiled[key] = jitted.lower(*args).compile()
+        while len(_compiled) > MAX_COMPILED:
+            _compiled.popitem(last=False)
+    _compiled.move_to_end(key)
     return _compiled[key], fresh
 
 

@@ -262,6 +262,25 @@ def test_unpinned_server_compiles_per_bucket():
     assert server.compilations <= 2 and server.syncs >= 2
 
 
+def test_compiled_programs_are_bounded(monkeypatch):
+    """spec_decode.compiled keeps at most MAX_COMPILED programs, dropping the least recently used (an unpinned server
+    meets a program per step shape; unbounded, their mapped code exhausted the process's memory maps), and compiles
+    a dropped one again when it comes back."""
+    from jax_impl import spec_decode
+    monkeypatch.setattr(spec_decode, "_compiled", spec_decode.OrderedDict())
+    monkeypatch.setattr(spec_decode, "MAX_COMPILED", 2)
+
+    def scaled(params, cfg, x, *, scale):
+        return x * scale * params
+    fresh = []
+    for scale in (1, 2, 1, 3, 2, 1):
+        run, new = spec_decode.compiled(scaled, (), None, dict(scale=scale), np.float32(2), np.ones(3, np.float32))
+        assert np.asarray(run(np.float32(2), np.ones(3, np.float32))).tolist() == [2.0 * scale] * 3
+        fresh.append(new)
+        assert len(spec_decode._compiled) <= 2
+    assert fresh == [True, True, False, True, True, True]   # 1 was used after 2, so 3 dropped 2; then 2 dropped 1
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt=[], max_new_tokens=4), "the prompt is empty"),
     (dict(prompt=[1, 99999], max_new_tokens=4), "outside the vocabulary"),

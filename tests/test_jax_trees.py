@@ -81,7 +81,7 @@ def test_greedy_tree_rounds_give_plain_decoding_and_accept_down_the_second_sibli
 
     from jax_impl import spec_decode
     monkeypatch.setitem(spec_decode.TREE_DRAFTERS, "ngram", oracle_tree(jnp.asarray(truth), cfg.vocab_size))
-    monkeypatch.setattr(spec_decode, "_compiled", {})                 # this drafter's program, compiled apart
+    monkeypatch.setattr(spec_decode, "_compiled", spec_decode.OrderedDict())                 # this drafter's program, compiled apart
     tokens, stats = jax_impl.generate(jax_impl.to_jax(params), cfg, prompt, new, draft="ngram", tree=budget)
     assert tokens == plain
     assert stats["target_calls"] == want["target_calls"] == 4         # 1 + 3 rounds of 4 tokens + a round of 3
