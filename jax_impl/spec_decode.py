@@ -854,12 +854,32 @@ def round_draft_len(draft, draft_len, limit):
     return min(draft_len, max(limit - 1, 0)) if draft != "none" else 0
 
 
-# compiled programs by key, least recently used first. Bounded: each executable keeps its code mapped, and an unpinned
-# server meets a program per step shape (T, K, features, tree budget); unbounded, a long run of varied requests took
-# the process past the kernel's limit of memory maps (vm.max_map_count, 65,530: LLVM "Cannot allocate memory", then a
-# segfault) within minutes. An evicted program is compiled again when its shape comes back.
-MAX_COMPILED = 64
+# compiled programs by key, least recently used first. Bounded: XLA:CPU maps each kernel of an executable's code apart
+# (about 1,000 memory maps for one of the server's step programs on tiny-mtp, 1,500 with trees), and an unpinned server
+# meets a program per step shape (T, K, features, tree budget); unbounded, check-server's scenarios with varied
+# drafters and tree budgets took it past the kernel's limit (vm.max_map_count, 65,530: LLVM "Cannot allocate memory",
+# then a segfault) in 11 minutes. So programs are dropped while there are more than MAX_COMPILED or the process holds
+# more than MAPS_SHARE of its limit; a dropped program is compiled again when its shape comes back.
+MAX_COMPILED, MAPS_SHARE = 64, 0.5
 _compiled = OrderedDict()
+
+
+def memory_maps():
+    """(memory maps the process holds, the kernel's limit), or None where /proc tells neither (not Linux)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f), limit
+    except (OSError, ValueError):
+        return None
+
+
+def too_many_programs():
+    if len(_compiled) > MAX_COMPILED:
+        return True
+    held = memory_maps()
+    return held is not None and held[0] > MAPS_SHARE * held[1]
 
 
 def aval_key(x):
@@ -877,7 +897,7 @@ def compiled(fn, donate, cfg, statics, *args):
     if fresh:
         jitted = jax.jit(lambda params, *rest: fn(params, cfg, *rest, **statics), donate_argnums=donate)
         _compiled[key] = jitted.lower(*args).compile()
-        while len(_compiled) > MAX_COMPILED:
+        while len(_compiled) > 1 and too_many_programs():
             _compiled.popitem(last=False)
     _compiled.move_to_end(key)
     return _compiled[key], fresh

@@ -279,6 +279,12 @@ def test_compiled_programs_are_bounded(monkeypatch):
         fresh.append(new)
         assert len(spec_decode._compiled) <= 2
     assert fresh == [True, True, False, True, True, True]   # 1 was used after 2, so 3 dropped 2; then 2 dropped 1
+    # past its share of the kernel's memory-map limit the cache keeps only the newest program (Linux's /proc counts)
+    monkeypatch.setattr(spec_decode, "MAX_COMPILED", 8)
+    monkeypatch.setattr(spec_decode, "memory_maps", lambda: (1000 * len(spec_decode._compiled), 2000))
+    for scale in (4, 5, 6):
+        spec_decode.compiled(scaled, (), None, dict(scale=scale), np.float32(2), np.ones(3, np.float32))
+        assert list(dict(key[3])["scale"] for key in spec_decode._compiled) == [scale]
 
 
 @pytest.mark.parametrize("kwargs, message", [
